@@ -1,0 +1,25 @@
+"""Logging setup for pdcluster processes (CLI, actors, engine processes).
+
+Only the `pdcluster` logger tree is configured; vLLM and Ray configure their own. Level comes from
+PDCLUSTER_LOG_LEVEL (default INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+FORMAT = "%(levelname)s %(asctime)s [%(name)s pid=%(process)d] %(message)s"
+
+
+def setup_logging(level: str | None = None) -> None:
+    logger = logging.getLogger("pdcluster")
+    if any(getattr(h, "_pdcluster", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+    handler._pdcluster = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel((level or os.environ.get("PDCLUSTER_LOG_LEVEL", "INFO")).upper())
+    logger.propagate = False

