@@ -1,0 +1,102 @@
+"""EngineActor: the Ray actor body every replica shares (prefill, decode, aggregated).
+
+One actor process hosts one EngineHost (AsyncLLM + vLLM's OpenAI app on an internal port). The
+controller creates it with the engine's environment (runtime_env), calls `start()` and awaits it
+(readiness is that call returning), polls `info()` for status/health, and calls `shutdown()`
+before killing it so the engine's own processes exit too. Role-specific actors
+(prefill_worker/, decode_worker/) subclass this and only add what their role needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import tempfile
+from typing import Any
+
+from pdcluster.engine.spec import EngineSpec
+from pdcluster.logs import setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (tests): fall back to the hostname
+        return socket.gethostname()
+
+
+class EngineActor:
+    role = "aggregated"
+
+    def __init__(self, spec: EngineSpec, secret: str | None = None):
+        setup_logging()
+        if spec.role != self.role:
+            raise ValueError(f"{type(self).__name__} runs {self.role} engines, not {spec.role}")
+        self._secret_path: str | None = None
+        if spec.kv_extra is not None:
+            spec.kv_extra = self._node_kv_settings(dict(spec.kv_extra), secret)
+        if spec.http_host in ("0.0.0.0", "::"):
+            spec.http_advertise_host = node_ip()
+        self.spec = spec
+        self.host = None
+        self.stage = "created"
+        self.error: str | None = None
+        self._start_lock = asyncio.Lock()
+
+    def _node_kv_settings(self, kv: dict[str, Any], secret: str | None) -> dict[str, Any]:
+        """Node-local parts of the KV settings: the secret file, the address peers dial."""
+        if secret is not None:
+            fd, path = tempfile.mkstemp(prefix="pdcluster-kv-", suffix=".secret")
+            with os.fdopen(fd, "w") as f:
+                f.write(secret)
+            os.chmod(path, 0o600)
+            self._secret_path = kv["secret_file"] = path
+        if kv.get("bind_host") in ("0.0.0.0", "::") and not kv.get("advertise_host"):
+            kv["advertise_host"] = node_ip()
+        return kv
+
+    async def start(self) -> dict[str, Any]:
+        """Start the engine; returns info() once it serves. Idempotent."""
+        from pdcluster.engine.host import EngineHost
+
+        async with self._start_lock:
+            if self.host is not None and self.host.url is not None:
+                return self.info()
+            self.stage = "starting engine"
+            try:
+                self.host = EngineHost(self.spec)
+                await self.host.start()
+            except Exception as exc:
+                self.stage = "failed"
+                self.error = f"{type(exc).__name__}: {exc}"
+                logger.exception("engine %s failed to start", self.spec.engine_id)
+                raise
+            self.stage = "ready"
+            return self.info()
+
+    def info(self) -> dict[str, Any]:
+        base = {
+            "engine_id": self.spec.engine_id,
+            "role": self.spec.role,
+            "node": node_ip(),
+            "stage": self.stage,
+            "error": self.error,
+        }
+        if self.host is not None:
+            base.update(self.host.info())
+        return base
+
+    async def shutdown(self) -> None:
+        self.stage = "stopping"
+        if self.host is not None:
+            await self.host.stop()
+            self.host = None
+        if self._secret_path is not None and os.path.exists(self._secret_path):
+            os.unlink(self._secret_path)
+        self.stage = "stopped"

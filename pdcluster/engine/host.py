@@ -1,0 +1,154 @@
+"""EngineHost: one vLLM AsyncLLM plus vLLM's own OpenAI HTTP app, served in-process.
+
+Shared by every engine we run: the prefill and decode Ray actors, aggregated replicas, and the
+standalone launcher (`python -m pdcluster.engine.serve`). The router talks to a host over HTTP
+exactly as vLLM's disaggregation proxies talk to `vllm serve`: the prefill call carries
+`kv_transfer_params={"do_remote_decode": true}` and `max_tokens=1`, the decode call carries the
+params the prefill returned. Lifecycle: `start()` (engine up, socket listening, URL known) ->
+serve -> `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+from pdcluster.engine.spec import EngineSpec
+from pdcluster.engine.stats import EngineStatsRecorder
+
+logger = logging.getLogger(__name__)
+
+
+def frontend_args(spec: EngineSpec, host: str, port: int):
+    """vLLM's OpenAI-server argument namespace, for the frontend parts of the app."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    return parser.parse_args(
+        [
+            "--model", spec.model,
+            "--served-model-name", spec.name,
+            "--host", host,
+            "--port", str(port),
+            "--disable-uvicorn-access-log",
+            "--disable-fastapi-docs",
+        ]
+    )
+
+
+class EngineHost:
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.engine = None
+        self.stats = EngineStatsRecorder()
+        self.url: str | None = None
+        self.started_at: float | None = None
+        self.async_scheduling: bool | None = None
+        self.async_scheduling_reason = ""
+        self._server = None
+        self._serve_task: asyncio.Task | None = None
+        self._sock: socket.socket | None = None
+
+    async def start(self) -> str:
+        """Start the engine and the HTTP app; returns the base URL once both accept requests."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from pdcluster.vllm_plugin import request_amx_permission
+
+        request_amx_permission()
+        engine_args = AsyncEngineArgs(**self.spec.engine_kwargs())
+        vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        self._note_async_scheduling(vllm_config)
+        recorder = self.stats
+        self.engine = AsyncLLM.from_vllm_config(
+            vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[lambda config, index=0: recorder],
+        )
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.spec.http_host, self.spec.http_port))
+        sock.listen(512)
+        sock.setblocking(False)
+        self._sock = sock
+        port = sock.getsockname()[1]
+        app = await self._build_app(port)
+        import uvicorn
+
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_keep_alive=30, lifespan="on"
+        )
+        self._server = uvicorn.Server(config)
+        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self.url = f"http://{self.spec.http_advertise_host or self.spec.http_host}:{port}"
+        self.started_at = time.time()
+        logger.info("engine %s (%s) serving on %s", self.spec.engine_id, self.spec.role, self.url)
+        return self.url
+
+    async def _build_app(self, port: int):
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+
+        args = frontend_args(self.spec, self.spec.http_host, port)
+        supported_tasks = await self.engine.get_supported_tasks()
+        app = build_app(args, supported_tasks, self.engine.model_config)
+        await init_app_state(self.engine, app.state, args, supported_tasks)
+
+        async def pdcluster_info() -> dict[str, Any]:
+            return self.info()
+
+        app.add_api_route("/pdcluster/info", pdcluster_info, methods=["GET"])
+        return app
+
+    def _note_async_scheduling(self, vllm_config) -> None:
+        wanted = self.spec.async_scheduling
+        actual = bool(vllm_config.scheduler_config.async_scheduling)
+        self.async_scheduling = actual
+        if wanted and not actual:
+            from vllm.platforms import current_platform
+
+            self.async_scheduling_reason = (
+                f"turned off by vLLM's {current_platform.device_type} platform"
+                if current_platform.is_cpu()
+                else "turned off by vLLM for this configuration"
+            )
+            logger.warning(
+                "engine %s: async scheduling requested but %s",
+                self.spec.engine_id, self.async_scheduling_reason,
+            )
+
+    def info(self) -> dict[str, Any]:
+        snap = self.stats.snapshot().to_dict()
+        return {
+            "engine_id": self.spec.engine_id,
+            "role": self.spec.role,
+            "url": self.url,
+            "model": self.spec.name,
+            "async_scheduling": self.async_scheduling,
+            "async_scheduling_reason": self.async_scheduling_reason,
+            "speculative": self.spec.speculative,
+            "stats": snap,
+        }
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._serve_task is not None:
+                try:
+                    await asyncio.wait_for(self._serve_task, timeout=10)
+                except asyncio.TimeoutError:
+                    logger.warning("HTTP server of %s did not stop in time", self.spec.engine_id)
+                    self._serve_task.cancel()
+            self._server = None
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

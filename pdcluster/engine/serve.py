@@ -1,0 +1,57 @@
+"""Standalone launcher: run one EngineHost in this process, outside Ray.
+
+Used by the KV connector tests (prefill and decode engines in separate processes) and by anyone
+who wants a single engine of a given role. Prints one JSON line on stdout when ready:
+    {"event": "ready", "url": "http://127.0.0.1:PORT", "engine_id": ...}
+and serves until SIGINT/SIGTERM. Logs go to stderr.
+
+Usage: python -m pdcluster.engine.serve --spec-json '{...EngineSpec...}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from pdcluster.engine.spec import EngineSpec
+from pdcluster.logs import setup_logging
+
+logger = logging.getLogger("pdcluster.engine.serve")
+
+
+async def run(spec: EngineSpec) -> None:
+    from pdcluster.engine.host import EngineHost
+
+    host = EngineHost(spec)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        url = await host.start()
+        sys.stdout.write(json.dumps({"event": "ready", "url": url, "engine_id": spec.engine_id}) + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        await host.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec-json", required=True, help="EngineSpec as JSON")
+    args = parser.parse_args(argv)
+    setup_logging()
+    spec = EngineSpec.from_json(args.spec_json)
+    # This process exists only to run this engine: its environment is the engine's.
+    os.environ.update(spec.env())
+    asyncio.run(run(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

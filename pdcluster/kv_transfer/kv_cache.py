@@ -1,0 +1,110 @@
+"""The engine's paged KV cache as the transfer code sees it: named layers, blocks on dim 0.
+
+vLLM 0.32 hands every KV connector one tensor per attention layer (draft/MTP layers included)
+whose logical dim 0 is the block index (its KV layout RFC: [L, B, H, N, C] with K and V packed in
+C; physical strides may differ by backend). A request's blocks are therefore rows of dim 0 in
+every layer, which is all the gather/scatter code relies on. `chunk_plan` cuts a request's blocks
+into per-layer chunks of bounded size, the unit that travels on the wire.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pdcluster.errors import HandshakeError
+from pdcluster.kv_transfer.protocol import KVLayout, LayerSpec
+
+
+def natural_key(name: str) -> list:
+    """'model.layers.10.attn' sorts after 'model.layers.2.attn'."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`count` consecutive entries, from `first`, of a request's block list, in one layer."""
+
+    layer_index: int
+    first: int
+    count: int
+    nbytes: int
+
+
+class PagedKVCache:
+    """Ordered, validated view over the per-layer KV tensors registered by vLLM."""
+
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        *,
+        model: str,
+        block_size: int,
+        num_blocks: int | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ):
+        if not kv_caches:
+            raise ValueError("no KV cache tensors were registered")
+        names, tensors, seen = [], [], set()
+        for name in sorted(kv_caches, key=natural_key):
+            tensor = kv_caches[name]
+            # Layers that share one cache tensor (KV sharing) move once, under the first name.
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            names.append(name)
+            tensors.append(tensor)
+        blocks = {t.shape[0] for t in tensors}
+        if len(blocks) != 1:
+            raise ValueError(f"KV layers disagree on the number of blocks: {sorted(blocks)}")
+        self.num_blocks = blocks.pop()
+        if num_blocks is not None and num_blocks != self.num_blocks:
+            raise ValueError(
+                f"KV cache dim 0 is {self.num_blocks}, expected num_blocks={num_blocks}: "
+                "this attention backend does not put blocks on dim 0"
+            )
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise ValueError(f"KV layers live on several devices: {devices}")
+        self.device: torch.device = devices.pop()
+        self.layer_names: list[str] = names
+        self.tensors: list[torch.Tensor] = tensors
+        self.layout = KVLayout(
+            model=model,
+            block_size=block_size,
+            layers=tuple(
+                LayerSpec(name=n, block_shape=tuple(t.shape[1:]), dtype=dtype_name(t.dtype))
+                for n, t in zip(names, tensors)
+            ),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
+        self.block_bytes = [spec.block_bytes for spec in self.layout.layers]
+
+    def check_block_ids(self, block_ids: list[int] | tuple[int, ...]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise HandshakeError(
+                f"block ids {bad[:4]} outside this cache (num_blocks={self.num_blocks})"
+            )
+
+    def chunk_plan(self, num_blocks: int, max_chunk_bytes: int) -> list[Chunk]:
+        """Per layer, in layer order, consecutive runs of at most max_chunk_bytes (≥ 1 block)."""
+        plan = []
+        for layer_index, block_bytes in enumerate(self.block_bytes):
+            per_chunk = max(1, max_chunk_bytes // block_bytes)
+            for first in range(0, num_blocks, per_chunk):
+                count = min(per_chunk, num_blocks - first)
+                plan.append(Chunk(layer_index, first, count, count * block_bytes))
+        return plan
+
+    def max_chunk_nbytes(self, max_chunk_bytes: int) -> int:
+        return max(max(1, max_chunk_bytes // b) * b for b in self.block_bytes)

@@ -1,0 +1,130 @@
+"""Producer-side leases: which finished prefills still hold KV blocks, and until when.
+
+Life of a lease (one per prefill request whose KV a decode engine will pull):
+  LEASED       registered by the worker when the scheduler's metadata announces it
+  TRANSFERRING one or more pulls are streaming its blocks (never freed in this state)
+  RELEASED     the consumer confirmed (or gave up), or the lease expired while idle
+The worker reports RELEASED leases to vLLM as `finished_sending`, which frees the blocks. A pull
+that arrives before the worker learned about the lease waits on a condition (bounded), never on a
+sleep. Every path ends in RELEASED: confirmation, failed pull + release, or expiry.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.errors import LeaseNotFoundError
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseState(enum.IntEnum):
+    LEASED = 1
+    TRANSFERRING = 2
+    RELEASED = 3
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: tuple[int, ...]
+    deadline: float  # time.monotonic() domain
+    ready_event: Any = None  # device event after the forward that wrote the blocks (None on CPU)
+    state: LeaseState = LeaseState.LEASED
+    active_pulls: int = 0
+    release_requested: bool = False
+    expired: bool = False
+    transferred: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        self._leases: dict[str, Lease] = {}
+        self._finished: list[Lease] = []
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return sum(1 for lease in self._leases.values() if lease.state != LeaseState.RELEASED)
+
+    def add(self, request_id: str, block_ids: Sequence[int], deadline: float, ready_event=None):
+        with self._cond:
+            if request_id in self._leases:
+                logger.warning("lease for %s registered twice; keeping the first", request_id)
+                return
+            self._leases[request_id] = Lease(request_id, tuple(block_ids), deadline, ready_event)
+            self._cond.notify_all()
+
+    def acquire(self, request_id: str, block_ids: Sequence[int], wait_s: float) -> Lease:
+        """Start a pull: wait up to wait_s for the lease to appear; check the requested blocks."""
+        end = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                lease = self._leases.get(request_id)
+                if lease is not None:
+                    break
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    raise LeaseNotFoundError(
+                        f"no KV lease for request {request_id} (expired, released or unknown)"
+                    )
+                self._cond.wait(remaining)
+            if lease.state == LeaseState.RELEASED or lease.release_requested:
+                raise LeaseNotFoundError(f"KV lease for request {request_id} was already released")
+            held = set(lease.block_ids)
+            stray = [b for b in block_ids if b not in held]
+            if stray:
+                raise LeaseNotFoundError(
+                    f"request {request_id} does not hold blocks {stray[:4]} (holds {len(held)})"
+                )
+            lease.state = LeaseState.TRANSFERRING
+            lease.active_pulls += 1
+            return lease
+
+    def end_pull(self, lease: Lease) -> None:
+        with self._cond:
+            lease.active_pulls -= 1
+            if lease.active_pulls == 0 and lease.state == LeaseState.TRANSFERRING:
+                lease.state = LeaseState.LEASED
+                if lease.release_requested:
+                    self._finish(lease)
+
+    def release(self, request_id: str, transferred: bool) -> bool:
+        """The consumer is done with the blocks. False when no such lease is held."""
+        with self._cond:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state == LeaseState.RELEASED or lease.release_requested:
+                return False
+            lease.release_requested = True
+            lease.transferred = transferred
+            if lease.active_pulls == 0:
+                self._finish(lease)
+            return True
+
+    def _finish(self, lease: Lease) -> None:
+        lease.state = LeaseState.RELEASED
+        self._finished.append(lease)
+
+    def collect_finished(self, now: float | None = None) -> list[Lease]:
+        """Released leases plus idle ones past their deadline; each is returned exactly once."""
+        now = time.monotonic() if now is None else now
+        with self._cond:
+            for lease in self._leases.values():
+                if (
+                    lease.state == LeaseState.LEASED
+                    and not lease.release_requested
+                    and now >= lease.deadline
+                ):
+                    lease.expired = True
+                    self._finish(lease)
+            done, self._finished = self._finished, []
+            for lease in done:
+                del self._leases[lease.request_id]
+            return done

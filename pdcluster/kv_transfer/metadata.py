@@ -1,0 +1,111 @@
+"""What the connector's scheduler half tells its worker half each step, and what travels in
+`kv_transfer_params` between prefill, router and decode.
+
+Per step (scheduler -> worker, `PDConnectorMetadata`):
+  new_leases  producer: finished prefills whose blocks are now held for a consumer to pull
+  pulls       consumer: requests whose blocks were just allocated and must be pulled
+  releases    consumer: producer leases to drop without pulling (local cache hit, aborted request)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
+
+# Keys of kv_transfer_params. The first group follows vLLM's NIXL conventions so existing
+# proxies understand them; the rest are ours.
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+REMOTE_ENGINE_ID = "remote_engine_id"
+REMOTE_REQUEST_ID = "remote_request_id"
+REMOTE_HOST = "remote_host"
+REMOTE_PORT = "remote_port"
+REMOTE_BLOCK_IDS = "remote_block_ids"
+REMOTE_NUM_TOKENS = "remote_num_tokens"
+REMOTE_ENDPOINTS = "remote_endpoints"  # one "host:port" per tensor-parallel rank
+REMOTE_LEASE_EXPIRY = "remote_lease_expiry"  # unix time after which P frees the blocks
+TRANSPORT = "transport"
+PROTOCOL = "kv_protocol_version"
+# Internal markers (never sent by clients).
+_PULL_PLANNED = "_pdcluster_pull_planned"
+_P_TRUNCATED = "_pdcluster_prefill_truncated"
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Validated view of the params a decode request carries."""
+
+    engine_id: str
+    request_id: str
+    endpoints: tuple[str, ...]
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    transport: str
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
+        """Raise ValueError naming the bad key when the params cannot be used."""
+        try:
+            endpoints = params.get(REMOTE_ENDPOINTS) or [
+                f"{params[REMOTE_HOST]}:{int(params[REMOTE_PORT])}"
+            ]
+            version = int(params.get(PROTOCOL, PROTOCOL_VERSION))
+            if version != PROTOCOL_VERSION:
+                raise ValueError(
+                    f"{PROTOCOL}={version}, this decode engine speaks {PROTOCOL_VERSION}"
+                )
+            return cls(
+                engine_id=str(params[REMOTE_ENGINE_ID]),
+                request_id=str(params[REMOTE_REQUEST_ID]),
+                endpoints=tuple(str(e) for e in endpoints),
+                block_ids=tuple(int(b) for b in params[REMOTE_BLOCK_IDS]),
+                num_tokens=int(params[REMOTE_NUM_TOKENS]),
+                transport=str(params.get(TRANSPORT, "grpc")),
+            )
+        except KeyError as exc:
+            raise ValueError(f"kv_transfer_params lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"kv_transfer_params malformed: {exc}") from None
+
+
+@dataclass(frozen=True)
+class LeaseSpec:
+    request_id: str
+    block_ids: tuple[int, ...]
+    expiry_unix: float
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    request_id: str  # the consumer's request id (reported back in finished_recving)
+    remote: RemotePrefill
+    remote_block_ids: tuple[int, ...]  # the producer blocks to read, in token order
+    local_block_ids: tuple[int, ...]  # where they go, same order
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    remote: RemotePrefill
+    reason: str
+
+
+@dataclass
+class PDConnectorMetadata(KVConnectorMetadata):
+    new_leases: list[LeaseSpec] = field(default_factory=list)
+    pulls: list[PullSpec] = field(default_factory=list)
+    releases: list[ReleaseSpec] = field(default_factory=list)
+
+
+@dataclass
+class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at startup: where this rank's KV server listens."""
+
+    endpoint: str | None
+    transport: str

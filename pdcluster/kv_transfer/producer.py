@@ -1,0 +1,93 @@
+"""What a transport server serves: a prefill engine's leased KV blocks.
+
+`KVProducer` lives in the prefill engine's worker process, beside its KV cache. Transport servers
+(gRPC today) call `handshake`, `stream` and `release`; the connector worker registers leases from
+the scheduler's metadata and collects released or expired ones every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+from pdcluster.errors import HandshakeError
+from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache
+from pdcluster.kv_transfer.leases import LeaseTable
+from pdcluster.kv_transfer.protocol import (
+    KVLayout,
+    check_protocol_version,
+    compare_layouts,
+    layout_digest,
+)
+from pdcluster.kv_transfer.staging import BlockGatherer, Pool
+
+logger = logging.getLogger(__name__)
+
+
+class KVProducer:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        engine_id: str,
+        *,
+        max_chunk_bytes: int,
+        lease_wait_s: float = 10.0,
+    ):
+        self.cache = cache
+        self.engine_id = engine_id
+        self.layout: KVLayout = cache.layout
+        self.digest = layout_digest(cache.layout)
+        self.leases = LeaseTable()
+        self.max_chunk_bytes = max_chunk_bytes
+        self.lease_wait_s = lease_wait_s
+        self._gatherers: Pool[BlockGatherer] = Pool(lambda: BlockGatherer(cache, max_chunk_bytes))
+        self.bytes_sent = 0
+        self.pulls_served = 0
+
+    def handshake(self, remote_version: int, remote_layout: KVLayout) -> None:
+        """Raise HandshakeError (naming both sides) unless the consumer can read our blocks."""
+        check_protocol_version(remote_version, remote_role="decode (consumer)")
+        compare_layouts(
+            self.layout, remote_layout, local_role="prefill (producer)", remote_role="decode (consumer)"
+        )
+
+    def stream(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        remote_version: int,
+        remote_digest: int,
+        max_chunk_bytes: int = 0,
+    ) -> Iterator[tuple[Chunk, memoryview]]:
+        """Yield the leased blocks chunk by chunk; the lease cannot be freed while this runs."""
+        check_protocol_version(remote_version, remote_role="decode (consumer)")
+        if remote_digest != self.digest:
+            raise HandshakeError(
+                f"pull for {request_id} was made against KV layout digest {remote_digest:#x}, "
+                f"this producer's is {self.digest:#x}: handshake again"
+            )
+        self.cache.check_block_ids(block_ids)
+        lease = self.leases.acquire(request_id, block_ids, self.lease_wait_s)
+        started = time.perf_counter()
+        sent = 0
+        try:
+            with self._gatherers.get() as gatherer:
+                chunk_bytes = min(max_chunk_bytes or self.max_chunk_bytes, self.max_chunk_bytes)
+                for chunk, data in gatherer.chunks(block_ids, lease.ready_event, chunk_bytes):
+                    sent += chunk.nbytes
+                    yield chunk, data
+        finally:
+            self.leases.end_pull(lease)
+            self.bytes_sent += sent
+            self.pulls_served += 1
+            logger.debug(
+                "served %d bytes of %s in %.1f ms",
+                sent,
+                request_id,
+                (time.perf_counter() - started) * 1e3,
+            )
+
+    def release(self, request_id: str, transferred: bool) -> bool:
+        return self.leases.release(request_id, transferred)

@@ -1,0 +1,248 @@
+"""Event-synced, non-blocking staging between a device KV cache and reusable host buffers.
+
+Producer (prefill): `BlockGatherer.chunks()` gathers a request's blocks, chunk by chunk, into
+reusable (pinned) host slots. On an accelerator each chunk is an `index_select` plus a
+`non_blocking` device-to-host copy on a side stream that first waits on the event recorded after
+the forward pass which wrote the blocks; one event per slot is recorded and the sender waits on
+that event only, with the next chunk already in flight (double buffering). No `.item()`,
+`.tolist()`, `.cpu()` or device-wide synchronize.
+
+Consumer (decode): `BlockScatterer.write()` copies received bytes into a host slot, issues a
+`non_blocking` host-to-device copy and `index_copy_` into the cache on a side stream, and records
+one event per slot; `finish()` returns the event the compute stream must wait on before attention
+reads the blocks.
+
+The device API is torch's generic one (`torch.accelerator`, `torch.Stream`, `torch.Event`), so
+CUDA and Ascend (torch_npu registers the NPU as the accelerator) share this code. On CPU the same
+calls degrade to plain synchronous copies straight into/out of the host buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Generic, TypeVar
+
+import torch
+
+from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache
+
+
+T = TypeVar("T")
+
+
+class Pool(Generic[T]):
+    """Reuse expensive objects (pinned buffers) across concurrent transfers, one user at a time."""
+
+    def __init__(self, factory: Callable[[], T]):
+        self._factory = factory
+        self._free: list[T] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def get(self) -> Iterator[T]:
+        with self._lock:
+            item = self._free.pop() if self._free else None
+        if item is None:
+            item = self._factory()
+        try:
+            yield item
+        finally:
+            with self._lock:
+                self._free.append(item)
+
+
+def contiguous_run(block_ids: Sequence[int]) -> int | None:
+    """First id if block_ids is one ascending run (a, a+1, ...), else None."""
+    if not block_ids:
+        return None
+    first = block_ids[0]
+    if block_ids[-1] - first + 1 != len(block_ids):
+        return None
+    if all(b == first + i for i, b in enumerate(block_ids)):
+        return first
+    return None
+
+
+def readonly_tensor(payload: memoryview | bytes, dtype: torch.dtype) -> torch.Tensor:
+    """Zero-copy tensor over received bytes (only ever read, so the read-only warning is moot)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=dtype)
+
+
+class DeviceContext:
+    """The KV cache's device, with a side stream and event factory when it is an accelerator."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_accelerator = device.type != "cpu"
+        self.stream = torch.Stream(device=device) if self.is_accelerator else None
+
+    def event(self) -> torch.Event | None:
+        return torch.Event(device=self.device) if self.is_accelerator else None
+
+    def record_compute_event(self) -> torch.Event | None:
+        """An event on the current (compute) stream: everything enqueued so far."""
+        if not self.is_accelerator:
+            return None
+        event = torch.Event(device=self.device)
+        event.record(torch.accelerator.current_stream(self.device))
+        return event
+
+    def compute_stream_wait(self, event: torch.Event | None) -> None:
+        """Make the compute stream wait (on the device, not the host) for `event`."""
+        if event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(event)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_accelerator)
+
+    def index_tensor(self, ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an index tensor on the cache's device (non-blocking from pinned memory)."""
+        host = torch.tensor(ids, dtype=torch.int64)
+        if not self.is_accelerator:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+
+class _Slot:
+    """A reusable host buffer plus the event that says its last copy finished."""
+
+    def __init__(self, ctx: DeviceContext, nbytes: int):
+        self.host = ctx.host_buffer(nbytes)
+        self.device_tmp = (
+            torch.empty(nbytes, dtype=torch.uint8, device=ctx.device) if ctx.is_accelerator else None
+        )
+        self.event = ctx.event()
+        self.busy = False
+
+    def wait(self) -> None:
+        if self.busy and self.event is not None:
+            self.event.synchronize()  # waits for this slot's copy only
+        self.busy = False
+
+
+class BlockGatherer:
+    """Producer side: stream a request's blocks out of the cache into reusable host slots."""
+
+    def __init__(self, cache: PagedKVCache, max_chunk_bytes: int, num_slots: int = 2):
+        self.cache = cache
+        self.ctx = DeviceContext(cache.device)
+        self.max_chunk_bytes = max_chunk_bytes
+        nbytes = cache.max_chunk_nbytes(max_chunk_bytes)
+        self.slots = [_Slot(self.ctx, nbytes) for _ in range(max(1, num_slots))]
+
+    def _gather(self, slot: _Slot, chunk: Chunk, ids: Sequence[int], ids_dev: torch.Tensor | None):
+        layer = self.cache.tensors[chunk.layer_index]
+        shape = (chunk.count, *layer.shape[1:])
+        sub = ids[chunk.first : chunk.first + chunk.count]
+        run = contiguous_run(sub)
+        if not self.ctx.is_accelerator:
+            out = slot.host[: chunk.nbytes].view(layer.dtype).view(shape)
+            if run is not None:
+                out.copy_(layer[run : run + chunk.count])
+            else:
+                torch.index_select(layer, 0, torch.tensor(sub, dtype=torch.int64), out=out)
+            return
+        assert slot.device_tmp is not None and ids_dev is not None
+        with self.ctx.stream:
+            tmp = slot.device_tmp[: chunk.nbytes].view(layer.dtype).view(shape)
+            if run is not None:
+                tmp.copy_(layer[run : run + chunk.count])
+            else:
+                torch.index_select(
+                    layer, 0, ids_dev[chunk.first : chunk.first + chunk.count], out=tmp
+                )
+            slot.host[: chunk.nbytes].copy_(slot.device_tmp[: chunk.nbytes], non_blocking=True)
+            slot.event.record(self.ctx.stream)
+        slot.busy = True
+
+    def chunks(
+        self,
+        block_ids: Sequence[int],
+        ready_event: torch.Event | None = None,
+        max_chunk_bytes: int | None = None,
+    ) -> Iterator[tuple[Chunk, memoryview]]:
+        """Yield (chunk, bytes) in plan order. Each memoryview is valid until the next yield."""
+        plan = self.cache.chunk_plan(len(block_ids), max_chunk_bytes or self.max_chunk_bytes)
+        if not plan:
+            return
+        ids_dev = None
+        if self.ctx.is_accelerator:
+            with self.ctx.stream:
+                if ready_event is not None:
+                    self.ctx.stream.wait_event(ready_event)  # blocks written by the forward pass
+                ids_dev = self.ctx.index_tensor(block_ids)
+        n = len(self.slots)
+        # Keep up to n chunks in flight; hand out the oldest once its own event completes.
+        for i, chunk in enumerate(plan[:n]):
+            self._gather(self.slots[i], chunk, block_ids, ids_dev)
+        for i, chunk in enumerate(plan):
+            slot = self.slots[i % n]
+            slot.wait()
+            yield chunk, memoryview(slot.host[: chunk.nbytes].numpy())
+            nxt = i + n
+            if nxt < len(plan):
+                self._gather(slot, plan[nxt], block_ids, ids_dev)
+
+
+class BlockScatterer:
+    """Consumer side: write received chunks into the request's local blocks."""
+
+    def __init__(self, cache: PagedKVCache, max_chunk_bytes: int, num_slots: int = 2):
+        self.cache = cache
+        self.ctx = DeviceContext(cache.device)
+        nbytes = cache.max_chunk_nbytes(max_chunk_bytes)
+        self.slots = (
+            [_Slot(self.ctx, nbytes) for _ in range(max(1, num_slots))]
+            if self.ctx.is_accelerator
+            else []
+        )
+        self._next = 0
+        self._ids_dev: torch.Tensor | None = None
+        self._ids: Sequence[int] = ()
+
+    def begin(self, local_block_ids: Sequence[int]) -> None:
+        self.cache.check_block_ids(local_block_ids)
+        self._ids = local_block_ids
+        if self.ctx.is_accelerator:
+            with self.ctx.stream:
+                self._ids_dev = self.ctx.index_tensor(local_block_ids)
+
+    def write(self, chunk: Chunk, payload: memoryview | bytes) -> None:
+        layer = self.cache.tensors[chunk.layer_index]
+        shape = (chunk.count, *layer.shape[1:])
+        sub = self._ids[chunk.first : chunk.first + chunk.count]
+        run = contiguous_run(sub)
+        if not self.ctx.is_accelerator:
+            src = readonly_tensor(payload, layer.dtype).view(shape)
+            if run is not None:
+                layer[run : run + chunk.count].copy_(src)
+            else:
+                layer.index_copy_(0, torch.tensor(sub, dtype=torch.int64), src)
+            return
+        slot = self.slots[self._next % len(self.slots)]
+        self._next += 1
+        slot.wait()  # the slot's previous host-to-device copy has finished
+        slot.host[: chunk.nbytes].copy_(readonly_tensor(payload, torch.uint8))
+        assert slot.device_tmp is not None and self._ids_dev is not None
+        with self.ctx.stream:
+            slot.device_tmp[: chunk.nbytes].copy_(slot.host[: chunk.nbytes], non_blocking=True)
+            src = slot.device_tmp[: chunk.nbytes].view(layer.dtype).view(shape)
+            if run is not None:
+                layer[run : run + chunk.count].copy_(src)
+            else:
+                layer.index_copy_(0, self._ids_dev[chunk.first : chunk.first + chunk.count], src)
+            slot.event.record(self.ctx.stream)
+        slot.busy = True
+
+    def finish(self) -> torch.Event | None:
+        """Event after every enqueued write; the compute stream must wait on it (None on CPU)."""
+        if not self.ctx.is_accelerator:
+            return None
+        event = self.ctx.event()
+        event.record(self.ctx.stream)
+        return event

@@ -1,0 +1,46 @@
+"""Transfer counters the connector reports through vLLM's stats pipeline.
+
+Worker halves accumulate into `PDTransferStats`; vLLM aggregates them across workers and hands the
+`data` dict to stat loggers in the API process (SchedulerStats.kv_connector_stats), where the
+engine host adds them to its totals (engine/stats.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS = (
+    "pulls_ok",
+    "pulls_failed",
+    "bytes_received",
+    "pull_seconds",
+    "leases_released",
+    "leases_expired",
+)
+
+
+@dataclass
+class PDTransferStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        for key in COUNTERS:
+            self.data.setdefault(key, 0)
+
+    def add(self, key: str, value: float = 1) -> None:
+        self.data[key] += value
+
+    def reset(self) -> None:
+        self.data = {key: 0 for key in COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, Any]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())

@@ -1,0 +1,326 @@
+"""gRPC backend: portable KV handoff between any two hosts.
+
+Server: a grpc thread-pool server in the producer's worker process, bound to the configured
+address. Every call must carry the cluster secret (metadata `x-pdcluster-kv-secret`), compared in
+constant time; a peer without it gets UNAUTHENTICATED and no bytes. `Pull` streams `KVChunk`
+messages encoded by `wire.py` straight from the staging slots (the generated serializer is
+bypassed for this one message; its bytes are still the protobuf encoding).
+
+Client: one channel per producer endpoint, reused across pulls; chunks are decoded to zero-copy
+views and handed to the sink, which writes them into the local cache.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+from concurrent import futures
+
+import grpc
+
+from pdcluster.errors import (
+    AuthenticationError,
+    HandshakeError,
+    KVTransferError,
+    LeaseNotFoundError,
+    TransferTimeoutError,
+)
+from pdcluster.kv_transfer.kv_cache import Chunk
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.protocol import (
+    PROTOCOL_VERSION,
+    SECRET_METADATA_KEY,
+    KVLayout,
+    LayerSpec,
+    check_protocol_version,
+    compare_layouts,
+    layout_digest,
+)
+from pdcluster.kv_transfer.transports.base import (
+    ChunkSink,
+    Transport,
+    TransportClient,
+    TransportServer,
+    TransportSettings,
+)
+from pdcluster.kv_transfer.wire import ChunkHeader, decode_chunk, encode_chunk
+from pdcluster.protos import kv_transfer_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "pdcluster.kv.v1.KVTransfer"
+_MESSAGE_LIMIT = 256 << 20
+
+
+def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(
+        model=layout.model,
+        block_size=layout.block_size,
+        tp_size=layout.tp_size,
+        tp_rank=layout.tp_rank,
+        layers=[
+            pb.LayerSpec(name=s.name, block_shape=list(s.block_shape), dtype=s.dtype)
+            for s in layout.layers
+        ],
+    )
+
+
+def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
+    return KVLayout(
+        model=msg.model,
+        block_size=msg.block_size,
+        tp_size=msg.tp_size,
+        tp_rank=msg.tp_rank,
+        layers=tuple(
+            LayerSpec(name=s.name, block_shape=tuple(s.block_shape), dtype=s.dtype)
+            for s in msg.layers
+        ),
+    )
+
+
+def _channel_options(settings: TransportSettings) -> list[tuple[str, int]]:
+    limit = max(_MESSAGE_LIMIT, settings.max_chunk_bytes * 2)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+    ]
+
+
+class _Servicer:
+    def __init__(self, producer: KVProducer, secret: str):
+        self.producer = producer
+        self._secret = secret.encode()
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        presented = b""
+        for key, value in context.invocation_metadata():
+            if key == SECRET_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else value
+        if not hmac.compare_digest(presented, self._secret):
+            logger.warning("refused KV call from %s: missing or wrong secret", context.peer())
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
+
+    def handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
+        self._authorize(context)
+        error = ""
+        try:
+            self.producer.handshake(request.protocol_version, layout_from_pb(request.layout))
+        except HandshakeError as exc:
+            error = str(exc)
+            logger.error("handshake from %s refused: %s", request.engine_id, error)
+        return pb.HandshakeResponse(
+            protocol_version=PROTOCOL_VERSION,
+            engine_id=self.producer.engine_id,
+            layout=layout_to_pb(self.producer.layout),
+            error=error,
+        )
+
+    def pull(self, request: pb.PullRequest, context):
+        self._authorize(context)
+        try:
+            stream = self.producer.stream(
+                request.request_id,
+                list(request.block_ids),
+                remote_version=request.protocol_version,
+                remote_digest=request.layout_digest,
+                max_chunk_bytes=request.max_chunk_bytes,
+            )
+            for chunk, data in stream:
+                header = ChunkHeader(chunk.layer_index, chunk.first, chunk.count)
+                yield encode_chunk(header, data)
+        except LeaseNotFoundError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except HandshakeError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        self._authorize(context)
+        released = self.producer.release(request.request_id, request.transferred)
+        return pb.ReleaseResponse(released=released)
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+class GrpcServer(TransportServer):
+    def __init__(self, producer: KVProducer, host: str, port: int, settings: TransportSettings):
+        servicer = _Servicer(producer, settings.secret)
+        handlers = {
+            "Handshake": grpc.unary_unary_rpc_method_handler(
+                servicer.handshake,
+                request_deserializer=pb.HandshakeRequest.FromString,
+                response_serializer=pb.HandshakeResponse.SerializeToString,
+            ),
+            "Pull": grpc.unary_stream_rpc_method_handler(
+                servicer.pull,
+                request_deserializer=pb.PullRequest.FromString,
+                response_serializer=_identity,  # already the KVChunk encoding (wire.py)
+            ),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                servicer.release,
+                request_deserializer=pb.ReleaseRequest.FromString,
+                response_serializer=pb.ReleaseResponse.SerializeToString,
+            ),
+        }
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=settings.server_threads, thread_name_prefix="kv-grpc"
+            ),
+            options=[*_channel_options(settings), ("grpc.so_reuseport", 0)],
+        )
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            raise KVTransferError(f"cannot bind KV server to {host}:{port}: {exc}") from exc
+        if bound == 0:
+            raise KVTransferError(f"cannot bind KV server to {host}:{port}")
+        self._address = f"{host}:{bound}"
+        self._server.start()
+        logger.info("KV gRPC server for engine %s on %s", producer.engine_id, self._address)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait()
+
+
+_STATUS_ERRORS: dict[grpc.StatusCode, type[KVTransferError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.NOT_FOUND: LeaseNotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: HandshakeError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TransferTimeoutError,
+}
+
+
+def _translate(exc: grpc.RpcError, endpoint: str, what: str) -> KVTransferError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _STATUS_ERRORS.get(code, KVTransferError)
+    return cls(f"{what} on {endpoint} failed ({code.name}): {details}")
+
+
+class GrpcClient(TransportClient):
+    def __init__(self, endpoint: str, settings: TransportSettings):
+        self.endpoint = endpoint
+        self.settings = settings
+        self._channel = grpc.insecure_channel(endpoint, options=_channel_options(settings))
+        self._metadata = ((SECRET_METADATA_KEY, settings.secret),)
+        self._handshake = self._channel.unary_unary(
+            f"/{SERVICE}/Handshake",
+            request_serializer=pb.HandshakeRequest.SerializeToString,
+            response_deserializer=pb.HandshakeResponse.FromString,
+        )
+        self._pull = self._channel.unary_stream(
+            f"/{SERVICE}/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=decode_chunk,
+        )
+        self._release = self._channel.unary_unary(
+            f"/{SERVICE}/Release",
+            request_serializer=pb.ReleaseRequest.SerializeToString,
+            response_deserializer=pb.ReleaseResponse.FromString,
+        )
+        self._digest: int | None = None
+        self._remote_layout: KVLayout | None = None
+
+    def handshake(self, local_layout: KVLayout, engine_id: str) -> KVLayout:
+        request = pb.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION, engine_id=engine_id, layout=layout_to_pb(local_layout)
+        )
+        try:
+            reply = self._handshake(
+                request,
+                metadata=self._metadata,
+                timeout=self.settings.connect_timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.endpoint, "KV handshake") from None
+        if reply.error:
+            raise HandshakeError(reply.error)
+        check_protocol_version(reply.protocol_version, remote_role="prefill (producer)")
+        remote = layout_from_pb(reply.layout)
+        compare_layouts(
+            local_layout, remote, local_role="decode (consumer)", remote_role="prefill (producer)"
+        )
+        self._digest = layout_digest(local_layout)
+        self._remote_layout = remote
+        return remote
+
+    def pull(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        sink: ChunkSink,
+        *,
+        engine_id: str,
+        timeout_s: float,
+    ) -> int:
+        if self._digest is None or self._remote_layout is None:
+            raise KVTransferError(f"pull from {self.endpoint} before a successful handshake")
+        block_bytes = [spec.block_bytes for spec in self._remote_layout.layers]
+        request = pb.PullRequest(
+            protocol_version=PROTOCOL_VERSION,
+            request_id=request_id,
+            block_ids=list(block_ids),
+            consumer_engine_id=engine_id,
+            max_chunk_bytes=self.settings.max_chunk_bytes,
+            layout_digest=self._digest,
+        )
+        received = 0
+        expected = len(block_ids) * sum(block_bytes)
+        call = self._pull(request, metadata=self._metadata, timeout=timeout_s)
+        try:
+            for header, data in call:
+                if header.layer_index >= len(block_bytes) or (
+                    header.first_block + header.num_blocks > len(block_ids)
+                ):
+                    raise KVTransferError(f"malformed KV chunk {header} from {self.endpoint}")
+                nbytes = header.num_blocks * block_bytes[header.layer_index]
+                if len(data) != nbytes:
+                    raise KVTransferError(
+                        f"KV chunk {header} from {self.endpoint} has {len(data)} bytes, "
+                        f"expected {nbytes}"
+                    )
+                sink(Chunk(header.layer_index, header.first_block, header.num_blocks, nbytes), data)
+                received += nbytes
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.endpoint, f"KV pull of {request_id}") from None
+        except BaseException:
+            call.cancel()
+            raise
+        if received != expected:
+            raise KVTransferError(
+                f"KV pull of {request_id} from {self.endpoint} ended after {received} of "
+                f"{expected} bytes"
+            )
+        return received
+
+    def release(self, request_id: str, *, transferred: bool, engine_id: str, timeout_s: float) -> bool:
+        request = pb.ReleaseRequest(
+            request_id=request_id, transferred=transferred, consumer_engine_id=engine_id
+        )
+        try:
+            return self._release(request, metadata=self._metadata, timeout=timeout_s).released
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.endpoint, f"KV release of {request_id}") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class GrpcTransport(Transport):
+    name = "grpc"
+
+    def serve(self, producer: KVProducer, host: str, port: int) -> TransportServer:
+        return GrpcServer(producer, host, port, self.settings)
+
+    def connect(self, endpoint: str) -> TransportClient:
+        return GrpcClient(endpoint, self.settings)

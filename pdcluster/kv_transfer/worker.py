@@ -1,0 +1,337 @@
+"""Worker half of the connector (runs in each model-runner process, beside the KV cache).
+
+Producer: `register_kv_caches` starts the transport server over the cache; each step, leases
+announced by the scheduler are registered with the event recorded after the previous step's
+forward (the one that wrote their blocks), and released/expired leases are reported as
+`finished_sending` so vLLM frees the blocks.
+
+Consumer: pulls announced by the scheduler run on a small thread pool: connect + handshake (once
+per producer endpoint), stream the blocks into the local cache through the staging scatterer,
+then release the producer's lease. Completed pulls are reported as `finished_recving` after the
+compute stream was made to wait on their copy event; failed ones also as `failed_recving`, and
+vLLM recomputes or fails the request per `kv_load_failure_policy`. Every pull has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdcluster.errors import KVTransferError
+from pdcluster.kv_transfer.kv_cache import PagedKVCache
+from pdcluster.kv_transfer.metadata import (
+    PDConnectorMetadata,
+    PDHandshakeMetadata,
+    PullSpec,
+    ReleaseSpec,
+    RemotePrefill,
+)
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.settings import ConnectorSettings
+from pdcluster.kv_transfer.stats import PDTransferStats
+from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext, Pool
+from pdcluster.kv_transfer.transports import create_transport
+from pdcluster.kv_transfer.transports.base import TransportClient, TransportServer, TransportSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PullResult:
+    request_id: str
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    event: Any = None  # device event the compute stream must wait on (None on CPU)
+    error: str = ""
+
+
+class ConnectorWorker:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        engine_id: str,
+        *,
+        model: str,
+        block_size: int,
+        num_blocks: int | None,
+        tp_size: int,
+        tp_rank: int,
+        is_producer: bool,
+        is_consumer: bool,
+    ):
+        self.settings = settings
+        self.engine_id = engine_id
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.transport = create_transport(
+            settings.transport,
+            TransportSettings(
+                secret=settings.secret,
+                max_chunk_bytes=settings.max_chunk_bytes,
+            ),
+        )
+        self.cache: PagedKVCache | None = None
+        self.ctx: DeviceContext | None = None
+        self.producer: KVProducer | None = None
+        self.server: TransportServer | None = None
+        self._last_step_event = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future[PullResult]] = {}
+        self._clients: dict[str, TransportClient] = {}
+        self._verified: set[str] = set()
+        self._clients_lock = threading.Lock()
+        self._scatterers: Pool[BlockScatterer] | None = None
+        self.stats = PDTransferStats()
+
+    # -- startup ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.cache = PagedKVCache(
+            kv_caches,
+            model=self.model,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+        )
+        self.ctx = DeviceContext(self.cache.device)
+        logger.info(
+            "KV cache registered: %d layers, %d blocks, %d bytes/block, device %s",
+            len(self.cache.layer_names), self.cache.num_blocks,
+            self.cache.layout.bytes_per_block(), self.cache.device,
+        )
+        if self.is_producer:
+            self.producer = KVProducer(
+                self.cache,
+                self.engine_id,
+                max_chunk_bytes=self.settings.max_chunk_bytes,
+                lease_wait_s=self.settings.lease_wait_s,
+            )
+            self.server = self._bind_server()
+        if self.is_consumer:
+            cache = self.cache
+            chunk = self.settings.max_chunk_bytes
+            self._scatterers = Pool(lambda: BlockScatterer(cache, chunk))
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull"
+            )
+
+    def _bind_server(self) -> TransportServer:
+        assert self.producer is not None
+        lo, hi = self.settings.port_range
+        ports = [0] if lo == hi == 0 else list(range(lo + self.tp_rank, hi + 1, self.tp_size))
+        last_error: Exception | None = None
+        for port in ports:
+            try:
+                return self.transport.serve(self.producer, self.settings.bind_host, port)
+            except KVTransferError as exc:
+                last_error = exc
+        raise KVTransferError(
+            f"no free KV port in {self.settings.bind_host}:{lo}-{hi} for tp rank {self.tp_rank}: "
+            f"{last_error}"
+        )
+
+    def handshake_metadata(self) -> PDHandshakeMetadata:
+        endpoint = None
+        if self.server is not None:
+            port = self.server.address.rpartition(":")[2]
+            endpoint = f"{self.settings.host_for_peers}:{port}"
+        return PDHandshakeMetadata(endpoint=endpoint, transport=self.settings.transport)
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def bind(self, meta: PDConnectorMetadata) -> None:
+        if self.producer is not None and meta.new_leases:
+            now_wall, now_mono = time.time(), time.monotonic()
+            for lease in meta.new_leases:
+                self.producer.leases.add(
+                    lease.request_id,
+                    lease.block_ids,
+                    now_mono + (lease.expiry_unix - now_wall),
+                    ready_event=self._last_step_event,
+                )
+        if self.is_consumer:
+            for pull in meta.pulls:
+                self._submit_pull(pull)
+            for release in meta.releases:
+                self._submit_release(release)
+
+    def after_forward(self) -> None:
+        """End of a step (target and draft forwards): remember what the producer must wait on."""
+        if self.producer is not None and self.ctx is not None:
+            self._last_step_event = self.ctx.record_compute_event()
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        sending: set[str] = set()
+        if self.producer is not None:
+            for lease in self.producer.leases.collect_finished():
+                sending.add(lease.request_id)
+                if lease.expired:
+                    self.stats.add("leases_expired")
+                    logger.warning(
+                        "KV lease of %s expired after %.1f s without a consumer release",
+                        lease.request_id, time.monotonic() - lease.created,
+                    )
+                else:
+                    self.stats.add("leases_released")
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for request_id, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[request_id]
+            result = future.result()
+            assert self.ctx is not None
+            # Attention must not read the blocks before their copies landed (also after a
+            # failure: late writes must not race the recomputation).
+            self.ctx.compute_stream_wait(result.event)
+            recving.add(request_id)
+            if result.ok:
+                self.stats.add("pulls_ok")
+                self.stats.add("bytes_received", result.nbytes)
+                self.stats.add("pull_seconds", result.seconds)
+            else:
+                self.stats.add("pulls_failed")
+                failed.add(request_id)
+        return sending, recving, failed
+
+    def take_stats(self) -> PDTransferStats | None:
+        """Counters since the last call, or None when nothing happened."""
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, PDTransferStats()
+        return stats
+
+    # -- consumer internals ------------------------------------------------------------------
+
+    def _connection(self, remote: RemotePrefill) -> TransportClient:
+        """A (cached) client for this rank's producer endpoint; no handshake implied."""
+        if remote.transport != self.settings.transport:
+            raise KVTransferError(
+                f"producer {remote.engine_id} uses transport {remote.transport!r}, "
+                f"this consumer uses {self.settings.transport!r}"
+            )
+        if len(remote.endpoints) != self.tp_size:
+            raise KVTransferError(
+                f"producer {remote.engine_id} has {len(remote.endpoints)} tensor-parallel ranks, "
+                f"this consumer has {self.tp_size}"
+            )
+        endpoint = remote.endpoints[self.tp_rank]
+        with self._clients_lock:
+            client = self._clients.get(endpoint)
+            if client is None:
+                client = self._clients[endpoint] = self.transport.connect(endpoint)
+            return client
+
+    def _verified_connection(self, remote: RemotePrefill) -> TransportClient:
+        """A client whose producer passed the layout handshake (done once per endpoint)."""
+        client = self._connection(remote)
+        endpoint = remote.endpoints[self.tp_rank]
+        with self._clients_lock:
+            verified = endpoint in self._verified
+        if not verified:
+            assert self.cache is not None
+            client.handshake(self.cache.layout, self.engine_id)  # raises HandshakeError
+            with self._clients_lock:
+                self._verified.add(endpoint)
+        return client
+
+    def _submit_pull(self, spec: PullSpec) -> None:
+        assert self._executor is not None
+        if spec.request_id in self._pending:
+            logger.error("duplicate pull for %s ignored", spec.request_id)
+            return
+        self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
+
+    def _submit_release(self, spec: ReleaseSpec) -> None:
+        assert self._executor is not None
+        logger.debug("releasing %s without pulling: %s", spec.remote.request_id, spec.reason)
+        self._executor.submit(self._release, spec.remote, False)
+
+    def _pull(self, spec: PullSpec) -> PullResult:
+        started = time.perf_counter()
+        faults = self.settings.faults
+        event = None
+        try:
+            if faults.pull_delay_s:
+                time.sleep(faults.pull_delay_s)  # injected fault: a stalled consumer
+            client = self._verified_connection(spec.remote)  # a layout mismatch says so first
+            if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:
+                raise KVTransferError(
+                    f"cannot map {len(spec.remote_block_ids)} producer blocks onto "
+                    f"{len(spec.local_block_ids)} local blocks"
+                )
+            assert self._scatterers is not None
+            inject_failure = faults.should_fail_pull()
+            with self._scatterers.get() as scatterer:
+                scatterer.begin(spec.local_block_ids)
+
+                def sink(chunk, data):
+                    scatterer.write(chunk, data)
+                    if inject_failure:
+                        raise faults.failure(spec.request_id)
+
+                try:
+                    nbytes = client.pull(
+                        spec.remote.request_id,
+                        spec.remote_block_ids,
+                        sink,
+                        engine_id=self.engine_id,
+                        timeout_s=self.settings.pull_timeout_s,
+                    )
+                finally:
+                    event = scatterer.finish()
+        except (KVTransferError, OSError) as exc:
+            logger.error(
+                "KV pull for %s from %s failed: %s", spec.request_id, spec.remote.engine_id, exc
+            )
+            self._release(spec.remote, False)
+            return PullResult(
+                spec.request_id, False, seconds=time.perf_counter() - started, event=event,
+                error=str(exc),
+            )
+        seconds = time.perf_counter() - started
+        logger.debug("pulled %d bytes for %s in %.1f ms", nbytes, spec.request_id, seconds * 1e3)
+        if faults.should_drop_release():
+            logger.warning("fault injection: not releasing %s", spec.remote.request_id)
+        else:
+            self._release(spec.remote, True)
+        return PullResult(spec.request_id, True, nbytes, seconds, event)
+
+    def _release(self, remote: RemotePrefill, transferred: bool) -> None:
+        try:
+            self._connection(remote).release(
+                remote.request_id,
+                transferred=transferred,
+                engine_id=self.engine_id,
+                timeout_s=self.settings.release_timeout_s,
+            )
+        except KVTransferError as exc:
+            # The producer's lease expiry frees the blocks if this message is lost.
+            logger.warning("KV release of %s failed: %s", remote.request_id, exc)
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._clients_lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

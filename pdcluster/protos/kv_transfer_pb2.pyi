@@ -1,0 +1,103 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LayerSpec(_message.Message):
+    __slots__ = ("name", "block_shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("model", "block_size", "layers", "tp_size", "tp_rank")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    tp_size: int
+    tp_rank: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("protocol_version", "engine_id", "layout")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    engine_id: str
+    layout: KVLayout
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("protocol_version", "engine_id", "layout", "error")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    engine_id: str
+    layout: KVLayout
+    error: str
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("protocol_version", "request_id", "block_ids", "consumer_engine_id", "max_chunk_bytes", "layout_digest")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    consumer_engine_id: str
+    max_chunk_bytes: int
+    layout_digest: int
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., consumer_engine_id: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., layout_digest: _Optional[int] = ...) -> None: ...
+
+class ChunkHeader(_message.Message):
+    __slots__ = ("layer_index", "first_block", "num_blocks")
+    LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    layer_index: int
+    first_block: int
+    num_blocks: int
+    def __init__(self, layer_index: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "transferred", "consumer_engine_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transferred: bool
+    consumer_engine_id: str
+    def __init__(self, request_id: _Optional[str] = ..., transferred: _Optional[bool] = ..., consumer_engine_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

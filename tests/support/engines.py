@@ -1,0 +1,129 @@
+"""Start real vLLM engines (pdcluster.engine.serve) in separate processes for tests.
+
+Readiness is the engine's own "ready" line on stdout (never a sleep); a process that exits or
+stays silent past the deadline fails the test with its stderr tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pdcluster.engine.spec import EngineSpec
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "models" / "pdcluster-tiny-code"
+STARTUP_TIMEOUT_S = 240
+
+
+@dataclass
+class RunningEngine:
+    spec: EngineSpec
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def client(self, timeout: float = 120) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def _wait_ready(proc: subprocess.Popen, log_path: Path, deadline: float) -> str:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    buffered = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or proc.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+            state = "exited" if proc.poll() is not None else "timed out"
+            raise RuntimeError(f"engine {state} before ready:\n{tail}")
+        if not sel.select(timeout=min(remaining, 1.0)):
+            continue
+        data = os.read(proc.stdout.fileno(), 65536)
+        if not data:
+            continue
+        buffered += data
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "ready":
+                return event["url"]
+
+
+def _launch(spec: EngineSpec, log_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log_path = log_dir / f"{spec.engine_id}.log"
+    env = dict(os.environ)
+    env.update(spec.env())
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdcluster.engine.serve", "--spec-json", spec.to_json()],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+    return proc, log_path
+
+
+@contextlib.contextmanager
+def run_engines(specs: list[EngineSpec], log_dir: Path) -> Iterator[dict[str, RunningEngine]]:
+    """Start all engines at once (they load concurrently), then await each one's ready line."""
+    launched = [(spec, *_launch(spec, log_dir)) for spec in specs]
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        running = {}
+        for spec, proc, log_path in launched:
+            url = _wait_ready(proc, log_path, deadline)
+            running[spec.engine_id] = RunningEngine(spec, url, proc, log_path)
+        yield running
+    finally:
+        for _, proc, _ in launched:
+            stop_process(proc)
+
+
+@contextlib.contextmanager
+def run_engine(spec: EngineSpec, log_dir: Path) -> Iterator[RunningEngine]:
+    with run_engines([spec], log_dir) as running:
+        yield running[spec.engine_id]
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def kv_extra(secret_file: Path, **overrides) -> dict:
+    extra = {
+        "transport": "grpc",
+        "bind_host": "127.0.0.1",
+        "secret_file": str(secret_file),
+        "lease_s": 30,
+        "pull_timeout_s": 20,
+    }
+    extra.update(overrides)
+    return extra

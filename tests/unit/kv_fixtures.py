@@ -1,0 +1,31 @@
+"""Synthetic paged KV caches shaped like vLLM's CPU backend ([blocks, kv_heads, block, 2*head])."""
+
+from __future__ import annotations
+
+import torch
+
+from pdcluster.kv_transfer.kv_cache import PagedKVCache
+
+
+def make_cache(
+    *,
+    num_blocks: int = 64,
+    layers: int = 3,
+    kv_heads: int = 2,
+    block_size: int = 16,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    fill: str = "random",
+    model: str = "tiny",
+    seed: int = 0,
+) -> PagedKVCache:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        shape = (num_blocks, kv_heads, block_size, 2 * head_dim)
+        if fill == "random":
+            t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+        else:
+            t = torch.zeros(shape, dtype=dtype)
+        tensors[f"model.layers.{i}.self_attn.attn"] = t
+    return PagedKVCache(tensors, model=model, block_size=block_size)

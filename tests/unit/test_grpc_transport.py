@@ -1,0 +1,189 @@
+"""The gRPC transport over real sockets on 127.0.0.1: pulls, auth, handshake, leases."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from pdcluster.errors import AuthenticationError, HandshakeError, LeaseNotFoundError
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION, layout_digest
+from pdcluster.kv_transfer.staging import BlockScatterer
+from pdcluster.kv_transfer.transports import create_transport
+from pdcluster.kv_transfer.transports.base import TransportSettings
+from pdcluster.protos import kv_transfer_pb2 as pb
+from tests.unit.kv_fixtures import make_cache
+
+SECRET = "s3cret-for-tests"
+
+
+@pytest.fixture
+def producer_server():
+    cache = make_cache()
+    producer = KVProducer(cache, "prefill-0", max_chunk_bytes=4096, lease_wait_s=0.5)
+    transport = create_transport("grpc", TransportSettings(secret=SECRET, max_chunk_bytes=4096))
+    server = transport.serve(producer, "127.0.0.1", 0)
+    yield producer, server, transport
+    server.stop(0)
+
+
+def pull_into(transport, server, consumer_cache, request_id, src_ids, dst_ids):
+    client = transport.connect(server.address)
+    try:
+        client.handshake(consumer_cache.layout, "decode-0")
+        scatterer = BlockScatterer(consumer_cache, 4096)
+        scatterer.begin(dst_ids)
+        return client.pull(
+            request_id, src_ids, scatterer.write, engine_id="decode-0", timeout_s=10
+        ), client.release(request_id, transferred=True, engine_id="decode-0", timeout_s=5)
+    finally:
+        client.close()
+
+
+def test_pull_copies_blocks_and_release_frees_the_lease(producer_server):
+    producer, server, transport = producer_server
+    src_ids, dst_ids = [3, 9, 10, 11, 60], [1, 2, 3, 50, 4]
+    producer.leases.add("req-1", src_ids, time.monotonic() + 30)
+    consumer = make_cache(fill="zeros")
+    nbytes, released = pull_into(transport, server, consumer, "req-1", src_ids, dst_ids)
+    assert nbytes == len(src_ids) * consumer.layout.bytes_per_block()
+    assert released
+    for src, dst in zip(producer.cache.tensors, consumer.tensors):
+        assert torch.equal(dst[dst_ids], src[src_ids])
+    finished = producer.leases.collect_finished()
+    assert [(lease.request_id, lease.expired, lease.transferred) for lease in finished] == [
+        ("req-1", False, True)
+    ]
+
+
+def test_pull_may_ask_for_a_suffix_of_the_lease(producer_server):
+    producer, server, transport = producer_server
+    producer.leases.add("req-2", [7, 8, 9, 10], time.monotonic() + 30)
+    consumer = make_cache(fill="zeros")
+    pull_into(transport, server, consumer, "req-2", [9, 10], [0, 1])
+    for src, dst in zip(producer.cache.tensors, consumer.tensors):
+        assert torch.equal(dst[[0, 1]], src[[9, 10]])
+
+
+def test_blocks_outside_the_lease_are_refused(producer_server):
+    producer, server, transport = producer_server
+    producer.leases.add("req-3", [1, 2], time.monotonic() + 30)
+    with pytest.raises(LeaseNotFoundError, match="does not hold blocks"):
+        pull_into(transport, server, make_cache(fill="zeros"), "req-3", [1, 2, 3], [0, 1, 2])
+
+
+def test_unknown_request_is_not_found_after_bounded_wait(producer_server):
+    _, server, transport = producer_server
+    with pytest.raises(LeaseNotFoundError, match="no KV lease"):
+        pull_into(transport, server, make_cache(fill="zeros"), "nope", [1], [1])
+
+
+def test_pull_waits_for_a_lease_registered_a_moment_later(producer_server):
+    producer, server, transport = producer_server
+    consumer = make_cache(fill="zeros")
+    registered = threading.Event()
+
+    def register():
+        registered.wait(5)
+        producer.leases.add("late", [4, 5], time.monotonic() + 30)
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    client = transport.connect(server.address)
+    client.handshake(consumer.layout, "decode-0")
+    scatterer = BlockScatterer(consumer, 4096)
+    scatterer.begin([0, 1])
+    registered.set()  # the pull below starts waiting while the lease is being added
+    client.pull("late", [4, 5], scatterer.write, engine_id="decode-0", timeout_s=10)
+    thread.join()
+    client.close()
+    assert torch.equal(consumer.tensors[0][[0, 1]], producer.cache.tensors[0][[4, 5]])
+
+
+def test_wrong_secret_is_refused_and_gets_no_bytes(producer_server):
+    producer, server, _ = producer_server
+    producer.leases.add("req-4", [1, 2], time.monotonic() + 30)
+    intruder = create_transport("grpc", TransportSettings(secret="wrong"))
+    client = intruder.connect(server.address)
+    with pytest.raises(AuthenticationError, match="UNAUTHENTICATED"):
+        client.handshake(make_cache(fill="zeros").layout, "intruder")
+    client.close()
+
+
+def test_raw_grpc_client_without_secret_gets_nothing(producer_server):
+    """A hand-rolled client (no pdcluster code on its side) cannot read a leased block."""
+    producer, server, _ = producer_server
+    producer.leases.add("req-5", [1, 2], time.monotonic() + 30)
+    with grpc.insecure_channel(server.address) as channel:
+        pull = channel.unary_stream(
+            "/pdcluster.kv.v1.KVTransfer/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=pb.KVChunk.FromString,
+        )
+        request = pb.PullRequest(
+            protocol_version=PROTOCOL_VERSION,
+            request_id="req-5",
+            block_ids=[1, 2],
+            layout_digest=layout_digest(producer.layout),
+        )
+        received = []
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in pull(request, timeout=5):
+                received.append(chunk)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert received == []
+    # The lease is untouched: the legitimate consumer can still pull it.
+    assert len(producer.leases) == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(block_size=32), r"block_size: prefill \(producer\) has 16, decode \(consumer\) has 32"),
+        (dict(model="other-model"), r"model: prefill \(producer\) has 'tiny', decode \(consumer\) has 'other-model'"),
+        (dict(layers=4), "layer names"),
+        (dict(dtype=torch.float16), "dtype of layer model.layers.0.self_attn.attn"),
+    ],
+)
+def test_handshake_mismatch_names_both_sides(producer_server, change, message):
+    _, server, transport = producer_server
+    consumer = make_cache(fill="zeros", **change)
+    client = transport.connect(server.address)
+    with pytest.raises(HandshakeError, match=message):
+        client.handshake(consumer.layout, "decode-0")
+    client.close()
+
+
+def test_lease_expires_when_nobody_pulls():
+    producer = KVProducer(make_cache(), "prefill-0", max_chunk_bytes=4096)
+    now = time.monotonic()
+    producer.leases.add("idle", [1, 2, 3], now + 5)
+    assert producer.leases.collect_finished(now + 4) == []
+    (lease,) = producer.leases.collect_finished(now + 5)
+    assert lease.request_id == "idle" and lease.expired
+    assert producer.leases.collect_finished(now + 100) == []
+
+
+def test_lease_is_never_freed_mid_transfer():
+    producer = KVProducer(make_cache(), "prefill-0", max_chunk_bytes=1024)
+    now = time.monotonic()
+    producer.leases.add("busy", list(range(8)), now + 1)
+    digest = layout_digest(producer.layout)
+    stream = producer.stream("busy", list(range(8)), remote_version=PROTOCOL_VERSION, remote_digest=digest)
+    next(stream)  # transfer in progress
+    assert producer.leases.collect_finished(now + 10) == []  # past its deadline, still held
+    assert producer.release("busy", transferred=True)
+    assert producer.leases.collect_finished(now + 10) == []  # release waits for the pull to end
+    for _ in stream:
+        pass
+    (lease,) = producer.leases.collect_finished(now + 10)
+    assert lease.request_id == "busy" and not lease.expired
+
+
+def test_unknown_transport_name_lists_the_available_ones():
+    with pytest.raises(ValueError, match="available: grpc"):
+        create_transport("carrier-pigeon", TransportSettings(secret="x"))
