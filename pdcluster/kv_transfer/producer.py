@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from pdcluster.errors import HandshakeError
 from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache
@@ -60,8 +60,12 @@ class KVProducer:
         remote_version: int,
         remote_digest: int,
         max_chunk_bytes: int = 0,
+        into: Callable[[Chunk], memoryview] | None = None,
     ) -> Iterator[tuple[Chunk, memoryview]]:
-        """Yield the leased blocks chunk by chunk; the lease cannot be freed while this runs."""
+        """Yield the leased blocks chunk by chunk; the lease cannot be freed while this runs.
+
+        `into` lets the transport supply each chunk's destination (see BlockGatherer.chunks).
+        """
         check_protocol_version(remote_version, remote_role="decode (consumer)")
         if remote_digest != self.digest:
             raise HandshakeError(
@@ -75,7 +79,7 @@ class KVProducer:
         try:
             with self._gatherers.get() as gatherer:
                 chunk_bytes = min(max_chunk_bytes or self.max_chunk_bytes, self.max_chunk_bytes)
-                for chunk, data in gatherer.chunks(block_ids, lease.ready_event, chunk_bytes):
+                for chunk, data in gatherer.chunks(block_ids, lease.ready_event, chunk_bytes, into):
                     sent += chunk.nbytes
                     yield chunk, data
         finally:

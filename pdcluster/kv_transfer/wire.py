@@ -10,6 +10,7 @@ checks both directions against the generated classes.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 _WT_VARINT = 0
@@ -101,6 +102,34 @@ def encode_chunk(header: ChunkHeader, data: memoryview | bytes) -> bytes:
     if len(data):
         parts += [_TAG_DATA, _varint(len(data)), data]
     return b"".join(parts)
+
+
+# CPython C API: a bytes object with uninitialized contents, filled by its creator before it is
+# shared (the documented way C code builds bytes). grpcio only sends `bytes`; building the
+# message in place saves one full copy of every chunk on the producer.
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype = ctypes.c_void_p
+_bytes_data.argtypes = (ctypes.py_object,)
+
+
+def allocate_chunk(header: ChunkHeader, nbytes: int) -> tuple[bytes, memoryview]:
+    """A serialized KVChunk whose `nbytes` payload is still to be written through the view.
+
+    The caller must fill the whole view before the message is used; the result is then the
+    same bytes encode_chunk(header, payload) returns.
+    """
+    head = header.encode()
+    prefix = _TAG_HEADER + _varint(len(head)) + head
+    if nbytes:
+        prefix += _TAG_DATA + _varint(nbytes)
+    message = _new_bytes(None, len(prefix) + nbytes)
+    address = _bytes_data(message)
+    ctypes.memmove(address, prefix, len(prefix))
+    payload = (ctypes.c_char * nbytes).from_address(address + len(prefix))
+    return message, memoryview(payload).cast("B")
 
 
 def decode_chunk(raw: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdcluster.kv_transfer.wire import ChunkHeader, decode_chunk, encode_chunk
+from pdcluster.kv_transfer.wire import ChunkHeader, allocate_chunk, decode_chunk, encode_chunk
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 u32 = st.integers(min_value=0, max_value=2**32 - 1)
@@ -48,3 +48,12 @@ def test_truncated_message_is_rejected():
     raw = encode_chunk(ChunkHeader(1, 1, 1), b"abcdef")
     with pytest.raises(ValueError, match="truncated"):
         decode_chunk(raw[:-2])
+
+
+@given(layer=u32, first=u32, count=u32, data=st.binary(max_size=4096))
+def test_in_place_message_equals_encoded_message(layer, first, count, data):
+    header = ChunkHeader(layer, first, count)
+    message, payload = allocate_chunk(header, len(data))
+    payload[:] = data
+    assert isinstance(message, bytes)
+    assert message == encode_chunk(header, data)
