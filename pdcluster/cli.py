@@ -1,0 +1,331 @@
+"""pdcluster command line: up | down | status | scale | config | bench.
+
+Every command prints what the user asked for on stdout; a bad input (config error, unknown
+cluster, invalid argument) is one line on stderr and exit code 2; a runtime failure exit code 1.
+`parse_args(argv)` is importable so tests drive the same parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pdcluster.errors import ConfigError, PDClusterError
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILURE = 1
+
+
+def out(text: str = "") -> None:
+    """User-facing output (not logging)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode serving on Ray + vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="launch a cluster from a YAML file")
+    up.add_argument("config", type=Path)
+    up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C shuts everything down")
+    up.add_argument("--timeout", type=float, default=900, help="seconds to wait for readiness")
+
+    down = sub.add_parser("down", help="stop a cluster (router, actors, controller, local Ray head)")
+    down.add_argument("--name")
+
+    status = sub.add_parser("status", help="replica table and endpoint")
+    status.add_argument("--name")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    scale = sub.add_parser("scale", help="set the number of replicas of a role, live")
+    scale.add_argument("role", choices=["prefill", "decode", "aggregated"])
+    scale.add_argument("replicas", type=int)
+    scale.add_argument("--name")
+    scale.add_argument("--wait", action="store_true", help="return once the pool has settled")
+    scale.add_argument("--timeout", type=float, default=900)
+
+    config = sub.add_parser("config", help="config file tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    validate = config_sub.add_parser("validate", help="print 'ok' or the first problems, by YAML path")
+    validate.add_argument("file", type=Path)
+    config_sub.add_parser("schema", help="print the JSON schema of the cluster YAML")
+
+    bench = sub.add_parser("bench", help="serving benchmark (see bench/serve.py --help)")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from pdcluster.config import json_schema, load_config
+
+    if args.config_command == "schema":
+        out(json.dumps(json_schema(), indent=2))
+        return 0
+    load_config(args.file)
+    out("ok")
+    return 0
+
+
+def _connect(session) -> Any:
+    import ray
+
+    from pdcluster.orchestrator.controller import controller_name
+
+    if not ray.is_initialized():
+        ray.init(address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        return ray.get_actor(controller_name(session.name), namespace=session.namespace)
+    except ValueError:
+        raise ConfigError(f"cluster {session.name!r} has no controller (stale session; run pdcluster down)") from None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import ray
+
+    from pdcluster.config import load_config, new_secret
+    from pdcluster.orchestrator.controller import Controller, controller_name
+    from pdcluster.orchestrator.session import Session, start_local_head, state_home
+
+    config = load_config(args.config)
+    existing = state_home() / f"{config.name}.json"
+    if existing.exists():
+        raise ConfigError(f"cluster {config.name!r} is already up (pdcluster down --name {config.name} first)")
+    secret = config.kv_transfer.resolve_secret(config.base_dir) or new_secret()
+
+    head_pid = None
+    if config.ray.address:
+        address = config.ray.address
+        out(f"joining Ray cluster at {address}")
+    else:
+        out("starting a local Ray head ...")
+        address, head_pid = start_local_head(config.ray.num_cpus, state_home() / "logs" / f"{config.name}-ray-head.log")
+    session = Session(config.name, address, config.ray.namespace, head_pid=head_pid, config_path=str(args.config))
+    session.save()
+    try:
+        ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False, logging_level=logging.WARNING)
+        controller = ray.remote(Controller).options(
+            name=controller_name(config.name),
+            namespace=config.ray.namespace,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=100,
+        ).remote(config.model_dump_json(), secret)
+        session.endpoint = ray.get(controller.start.remote())
+        session.save()
+        if not _await_ready(controller, args.timeout):
+            raise PDClusterError("cluster did not become ready; see the replica errors above")
+    except BaseException:
+        _teardown(session)
+        raise
+    out(f"pdcluster {config.name} ready: {session.endpoint}")
+    if not args.foreground:
+        return 0
+    out("serving in the foreground; Ctrl-C stops the cluster")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    out("shutting down ...")
+    _teardown(session)
+    out("stopped")
+    return 0
+
+
+def _await_ready(controller, timeout_s: float) -> bool:
+    """Await readiness, showing each replica's stage as it changes."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    shown: dict[str, str] = {}
+    started = time.monotonic()
+    while True:
+        ready = ray.get(controller.wait_ready.remote(2.0))
+        status = ray.get(controller.status.remote())
+        for row in status["replicas"]:
+            label = row["stage"] if row["state"] != "dead" else f"dead: {row['error']}"
+            if shown.get(row["replica"]) != label:
+                shown[row["replica"]] = label
+                out(f"  [{time.monotonic() - started:5.1f}s] {row['replica']:<14} {label}")
+        if ready:
+            serving = {r["role"] for r in status["replicas"] if r["state"] == "ready"}
+            needed = {"prefill", "decode"} if status["mode"] == "disaggregated" else {"aggregated"}
+            return needed <= serving
+        if time.monotonic() > deadline:
+            return False
+
+
+def _teardown(session) -> None:
+    import ray
+
+    from pdcluster.orchestrator.session import stop_process_group
+
+    try:
+        if session.ray_address and (ray.is_initialized() or session.head_pid is None):
+            controller = _connect(session)
+            ray.get(controller.shutdown.remote(), timeout=180)
+            ray.kill(controller, no_restart=True)
+    except (ConfigError, ray.exceptions.RayError, ConnectionError) as exc:
+        logging.getLogger(__name__).warning("controller shutdown: %s", exc)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if session.head_pid is not None:
+            stop_process_group(session.head_pid)
+        session.remove()
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from pdcluster.orchestrator.session import Session
+
+    session = Session.load(args.name)
+    _connect_quietly(session)
+    _teardown(session)
+    out(f"pdcluster {session.name} stopped")
+    return 0
+
+
+def _connect_quietly(session) -> None:
+    import ray
+
+    if session.head_pid is not None:
+        from pdcluster.orchestrator.session import process_group_alive
+
+        if not process_group_alive(session.head_pid):
+            return  # the head is gone already: nothing to connect to
+    ray.init(address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import ray
+
+    from pdcluster.orchestrator.session import Session
+
+    session = Session.load(args.name)
+    controller = _connect(session)
+    status = ray.get(controller.status.remote())
+    if args.json:
+        out(json.dumps(status, indent=2, default=str))
+    else:
+        out(format_status(status))
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [
+        f"cluster {status['name']}  mode {status['mode']}  model {status['model']}  endpoint {status['endpoint']}",
+        "",
+        f"{'REPLICA':<14}{'ROLE':<11}{'NODE':<16}{'STATE':<10}{'INFL':>5}{'RUN':>5}{'WAIT':>5}{'KV%':>6}"
+        f"{'TTFT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}  NOTES",
+    ]
+    for r in status["replicas"]:
+        if r["role"] == "prefill":
+            ttft = f"{_ms(r['prefill_p50'])}/{_ms(r['prefill_p99'])}"
+            itl = "-"
+        else:
+            ttft = f"{_ms(r['ttft_p50'])}/{_ms(r['ttft_p99'])}"
+            itl = f"{_ms(r['itl_p50'])}/{_ms(r['itl_p99'])}"
+        notes = []
+        if r["state"] == "starting":
+            notes.append(r["stage"])
+        if r["error"]:
+            notes.append(r["error"])
+        if r["role"] != "prefill" and r["async_scheduling"] is False and r["async_scheduling_reason"]:
+            notes.append(f"async scheduling off ({r['async_scheduling_reason']})")
+        rate = (r.get("stats") or {}).get("spec_acceptance_rate")
+        if rate is not None:
+            notes.append(f"MTP acceptance {rate:.2f}")
+        if r.get("kv_backend"):
+            notes.append(f"kv {r['kv_backend']}")
+        lines.append(
+            f"{r['replica']:<14}{r['role']:<11}{(r['node'] or '-'):<16}{r['state']:<10}{r['inflight']:>5}"
+            f"{r['running']:>5}{r['waiting']:>5}{r['kv_cache_usage'] * 100:>6.1f}{ttft:>17}{itl:>16}  {'; '.join(notes)}"
+        )
+    lines.append("")
+    lines.append("(TTFT of prefill replicas: their prefill phase; latencies over the last minute)")
+    return "\n".join(lines)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    from pdcluster.orchestrator.session import Session
+
+    if args.replicas < 0:
+        raise ConfigError("replicas must be ≥ 0")
+    session = Session.load(args.name)
+    controller = _connect(session)
+    try:
+        result = ray.get(controller.scale.remote(args.role, args.replicas))
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if hasattr(exc, "cause") else exc
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise
+    out(f"{args.role}: {args.replicas} replicas (adding {result['added'] or 'none'}, draining {result['draining'] or 'none'})")
+    if args.wait:
+        deadline = time.monotonic() + args.timeout
+        while True:
+            ray.get(controller.wait_ready.remote(2.0))
+            rows = [r for r in ray.get(controller.status.remote())["replicas"] if r["role"] == args.role]
+            settled = all(r["state"] in ("ready", "dead") for r in rows) and sum(r["state"] == "ready" for r in rows) == args.replicas
+            if settled:
+                break
+            if time.monotonic() > deadline:
+                raise PDClusterError(f"{args.role} did not settle at {args.replicas} replicas in time")
+        out(f"{args.role}: settled at {args.replicas} ready replicas")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "serve.py"
+    if not script.exists():
+        raise ConfigError("bench/serve.py not found (run from a source checkout)")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "scale": cmd_scale, "config": cmd_config, "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdcluster.logs import setup_logging
+
+    setup_logging("WARNING")
+    args = parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        sys.stderr.write(f"pdcluster: {exc}\n")
+        return EXIT_BAD_INPUT
+    except PDClusterError as exc:
+        sys.stderr.write(f"pdcluster: {exc}\n")
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        sys.stderr.write("pdcluster: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

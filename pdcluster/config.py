@@ -1,0 +1,309 @@
+"""The cluster YAML: one pydantic schema, the single source of truth for every component.
+
+`load_config(path)` parses and validates a file; errors name the YAML path of the offending key
+(`roles.decode.replicas: must be ≥ 0`). Cross-field rules enforce the P/D invariants: both roles
+serve the same model with the same tokenizer, KV-compatible engine settings (block size, KV cache
+dtype), and one speculative config. `EngineSpec`s for every replica are derived here too, so
+the controller, tests and benchmarks build engines the same way.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from pdcluster.errors import ConfigError
+
+RoleName = Literal["prefill", "decode", "aggregated"]
+
+# Engine arguments the cluster owns: set once at the top level, never per role.
+RESERVED_ENGINE_ARGS = {
+    "model": "model.path",
+    "tokenizer": "model.tokenizer",
+    "served_model_name": "model.name",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "kv_transfer_config": "kv_transfer",
+    "speculative_config": "speculative",
+    "async_scheduling": "roles.<role>.async_scheduling",
+}
+# Engine arguments that must agree between prefill and decode for the KV handoff to work.
+KV_COMPATIBLE_ENGINE_ARGS = ("block_size", "kv_cache_dtype", "tensor_parallel_size")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelSection(_Model):
+    path: str = Field(description="Model directory (or hub id where a hub is reachable).")
+    name: str | None = Field(None, description="Served model name; default: the path's basename.")
+    tokenizer: str | None = Field(None, description="Tokenizer path; default: the model path.")
+    dtype: str = Field("auto", description="Weights/activation dtype (vLLM `dtype`).")
+    max_model_len: int | None = Field(None, ge=16, description="Context length (prompt + output).")
+
+    @property
+    def served_name(self) -> str:
+        return self.name or Path(self.path).name
+
+
+class Resources(_Model):
+    cpus: float = Field(0, ge=0, description="Ray CPUs reserved per replica actor.")
+    gpus: float = Field(0, ge=0, description="NVIDIA GPUs per replica (Ray `num_gpus`).")
+    npus: float = Field(0, ge=0, description="Ascend NPUs per replica (Ray resource `NPU`).")
+
+
+class RoleSection(_Model):
+    replicas: int = Field(1, ge=0, le=64, description="Number of engines in this role.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra vLLM engine arguments (AsyncEngineArgs field names), e.g. max_num_seqs.",
+    )
+    resources: Resources = Field(default_factory=Resources, description="Per-replica resources.")
+    cpu_bind: list[str] = Field(
+        default_factory=list,
+        description="CPU only: cores each replica's engine threads bind to "
+        "(VLLM_CPU_OMP_THREADS_BIND), one entry per replica, cycled; e.g. ['0', '1'] or ['0-3'].",
+    )
+    kv_cache_gib: int | None = Field(
+        None, ge=1, description="CPU only: KV cache size per engine, whole GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    async_scheduling: bool | None = Field(
+        None,
+        description="vLLM async scheduling. Default: on for decode, engine default elsewhere. "
+        "Platforms that cannot run it (vLLM's CPU platform) turn it off; `status` shows why.",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_reserved_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key in RESERVED_ENGINE_ARGS:
+                raise ValueError(
+                    f"'{key}' is set once for the cluster, under {RESERVED_ENGINE_ARGS[key]} "
+                    "(prefill and decode must agree on it)"
+                )
+        return value
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _cpu_bind_format(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            parts = str(entry).replace("-", ",").split(",")
+            if not all(p.strip().isdigit() for p in parts):
+                raise ValueError(f"'{entry}' is not a core list like '0', '0-3' or '0,2'")
+        return [str(v) for v in value]
+
+    def bind_for(self, index: int) -> str | None:
+        return self.cpu_bind[index % len(self.cpu_bind)] if self.cpu_bind else None
+
+
+class Roles(_Model):
+    prefill: RoleSection = Field(default_factory=RoleSection, description="Prefill engines (KV producers).")
+    decode: RoleSection = Field(default_factory=RoleSection, description="Decode engines (KV consumers).")
+    aggregated: RoleSection = Field(
+        default_factory=lambda: RoleSection(replicas=0),
+        description="Engines doing both phases (mode: aggregated).",
+    )
+
+
+class FaultInjection(_Model):
+    pull_failure_rate: float = Field(0.0, ge=0, le=1, description="Fail this share of KV pulls.")
+    drop_release_rate: float = Field(0.0, ge=0, le=1, description="Never release this share of leases.")
+    pull_delay_s: float = Field(0.0, ge=0, description="Stall each pull this long (timeouts).")
+    seed: int = Field(0, description="Seed of the fault dice.")
+
+
+class KVTransferSection(_Model):
+    backend: Literal["grpc"] = Field("grpc", description="KV transport backend.")
+    bind_host: str = Field("127.0.0.1", description="Address KV servers bind to.")
+    advertise_host: str | None = Field(
+        None, description="Address decode engines dial; default: bind_host (or the node IP for 0.0.0.0)."
+    )
+    port_range: tuple[int, int] = Field((47000, 47999), description="Ports KV servers may bind.")
+    secret: str | None = Field(None, description="Shared secret; prefer secret_file.")
+    secret_file: str | None = Field(None, description="File holding the shared secret.")
+    failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="What decode does when a pull fails: recompute, or fail the request."
+    )
+    lease_seconds: float = Field(30, gt=0, description="Prefill frees unclaimed KV after this long.")
+    pull_timeout_seconds: float = Field(30, gt=0, description="Deadline of one KV pull.")
+    max_chunk_bytes: int = Field(4 << 20, ge=4096, description="Largest KV message.")
+    pull_threads: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
+    fault_injection: FaultInjection = Field(default_factory=FaultInjection, description="Tests/drills.")
+
+    @model_validator(mode="after")
+    def _ports_and_secret(self) -> KVTransferSection:
+        lo, hi = self.port_range
+        if not (1024 <= lo <= hi <= 65535):
+            raise ValueError(f"port_range: need 1024 ≤ low ≤ high ≤ 65535, got [{lo}, {hi}]")
+        if self.secret and self.secret_file:
+            raise ValueError("set either secret or secret_file, not both")
+        return self
+
+    def resolve_secret(self, base_dir: Path) -> str | None:
+        if self.secret:
+            return self.secret
+        if self.secret_file:
+            path = Path(self.secret_file)
+            path = path if path.is_absolute() else base_dir / path
+            try:
+                value = path.read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"kv_transfer.secret_file: {exc}") from exc
+            if not value:
+                raise ConfigError(f"kv_transfer.secret_file: {path} is empty")
+            return value
+        return None
+
+
+class SpeculativeSection(_Model):
+    method: Literal["mtp"] = Field("mtp", description="Speculative method (MTP heads of the model).")
+    num_speculative_tokens: int = Field(1, ge=1, le=8, description="Draft tokens per step (k).")
+
+    def vllm_config(self) -> dict[str, Any]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+
+
+class RouterSection(_Model):
+    host: str = Field("127.0.0.1", description="Address the OpenAI-compatible endpoint binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the endpoint.")
+    policy: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded", description="Replica choice: least outstanding work, or round robin."
+    )
+    api_keys: list[str] = Field(default_factory=list, description="Accepted Bearer keys (empty: open).")
+    api_keys_file: str | None = Field(None, description="File with one API key per line.")
+    request_timeout_seconds: float = Field(600, gt=0, description="Upper bound on one request.")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
+
+
+class RaySection(_Model):
+    address: str | None = Field(None, description="Existing cluster (e.g. 127.0.0.1:6379); empty: start a local head.")
+    namespace: str = Field("pdcluster", description="Ray namespace of the controller and actors.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local head (default: all).")
+
+
+class ClusterConfig(_Model):
+    """A pdcluster deployment: one model, prefill and decode pools, the KV handoff, the router."""
+
+    name: str = Field("pdcluster", pattern=r"^[a-zA-Z0-9_-]+$", description="Cluster name (actor names).")
+    model: ModelSection = Field(description="The one model both roles serve.")
+    mode: Literal["disaggregated", "aggregated"] = Field(
+        "disaggregated", description="disaggregated: prefill -> decode; aggregated: each replica does both."
+    )
+    roles: Roles = Field(default_factory=Roles, description="Replica pools.")
+    kv_transfer: KVTransferSection = Field(default_factory=KVTransferSection, description="KV handoff.")
+    speculative: SpeculativeSection | None = Field(None, description="MTP speculative decoding (both roles).")
+    router: RouterSection = Field(default_factory=RouterSection, description="HTTP endpoint.")
+    ray: RaySection = Field(default_factory=RaySection, description="Where the actors run.")
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory relative paths in the file (secret_file, api_keys_file) resolve against."""
+        return self._base_dir
+
+    @model_validator(mode="after")
+    def _pd_invariants(self) -> ClusterConfig:
+        if self.mode == "disaggregated":
+            p, d = self.roles.prefill.engine_args, self.roles.decode.engine_args
+            for key in KV_COMPATIBLE_ENGINE_ARGS:
+                if p.get(key) != d.get(key):
+                    raise ValueError(
+                        f"roles.decode.engine_args.{key}: must equal roles.prefill.engine_args.{key} "
+                        f"for the KV handoff (prefill {p.get(key)!r}, decode {d.get(key)!r})"
+                    )
+        elif self.roles.aggregated.replicas == 0 and self.roles.prefill.replicas == 0:
+            raise ValueError("roles.aggregated.replicas: aggregated mode needs ≥ 1 replica")
+        return self
+
+    def serving_roles(self) -> tuple[RoleName, ...]:
+        return ("prefill", "decode") if self.mode == "disaggregated" else ("aggregated",)
+
+    def role(self, name: RoleName) -> RoleSection:
+        return getattr(self.roles, name)
+
+
+_KEY_PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*: ")
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+    ctx = err.get("ctx") or {}
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        message = "unknown key"
+    elif kind == "missing":
+        message = "required"
+    elif kind == "greater_than_equal":
+        message = f"must be ≥ {ctx['ge']}"
+    elif kind == "greater_than":
+        message = f"must be > {ctx['gt']}"
+    elif kind == "less_than_equal":
+        message = f"must be ≤ {ctx['le']}"
+    elif kind == "value_error":
+        message = str(ctx.get("error", err["msg"]))
+        # A model-level rule names the key it is about ("port_range: ..."): extend the path.
+        if _KEY_PREFIX.match(message):
+            return f"{loc}.{message}" if loc else message
+    else:
+        message = err["msg"].rstrip(".")
+        if "input" in err and kind not in ("literal_error",):
+            message += f" (got {err['input']!r})"
+    return f"{loc}: {message}" if loc else message
+
+
+def validate_config(data: Any, source: str = "config") -> ClusterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        errors = [_format_error(e) for e in exc.errors(include_url=False)]
+        raise ConfigError(f"{source}: " + "; ".join(errors)) from None
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    config = validate_config(data, str(path))
+    # Relative model/secret paths are relative to the YAML file.
+    base = path.resolve().parent
+    model_path = Path(config.model.path)
+    if not model_path.is_absolute() and (base / model_path).exists():
+        config.model.path = str((base / model_path).resolve())
+    elif not model_path.is_absolute() and model_path.exists():
+        config.model.path = str(model_path.resolve())
+    config._base_dir = base
+    return config
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def json_schema() -> dict[str, Any]:
+    return ClusterConfig.model_json_schema()
+

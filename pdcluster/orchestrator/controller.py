@@ -1,0 +1,401 @@
+"""The controller: a detached, named Ray actor that owns the cluster's replica pools.
+
+It creates the router actor and one worker actor per replica (prefill/decode/aggregated), starts
+their engines concurrently and publishes each replica to the router only once it is READY. A
+monitor loop refreshes engine stats (pushed to the router for /metrics and routing) and marks
+unreachable replicas DEAD. `scale(role, n)` adds replicas (traffic once ready) or drains some
+(no new requests; stopped once nothing is in flight and, for prefill, no KV lease is held).
+`status()` is what `pdcluster status` prints. Worker actors are owned by the controller, so they
+share its fate; `shutdown()` stops engines gracefully before their actors are killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.config import ClusterConfig, RoleName
+from pdcluster.engine.spec import EngineSpec
+from pdcluster.errors import ConfigError
+from pdcluster.logs import setup_logging
+from pdcluster.orchestrator.replicas import ReplicaState
+from pdcluster.orchestrator.router import RouterActor, RouterSettings
+
+logger = logging.getLogger(__name__)
+
+MONITOR_INTERVAL_S = 1.0
+INFO_TIMEOUT_S = 10.0
+
+
+def controller_name(cluster: str) -> str:
+    return f"{cluster}-controller"
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    role: RoleName
+    index: int
+    spec: EngineSpec
+    state: ReplicaState = ReplicaState.STARTING
+    stage: str = "pending"
+    actor: Any = None
+    url: str | None = None
+    node: str = ""
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    ready_at: float | None = None
+    task: asyncio.Task | None = None
+    transitions: list[tuple[float, str]] = field(default_factory=list)
+
+    def set_state(self, state: ReplicaState) -> None:
+        if state != self.state or not self.transitions:
+            self.transitions.append((time.time(), state.label))
+        self.state = state
+
+    def router_row(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "role": self.role,
+            "url": self.url or "",
+            "state": int(self.state),
+            "node": self.node,
+            "stats": (self.info or {}).get("stats") or {},
+        }
+
+
+def _worker_class(role: RoleName):
+    if role == "prefill":
+        from pdcluster.prefill_worker import PrefillWorker
+
+        return PrefillWorker
+    if role == "decode":
+        from pdcluster.decode_worker import DecodeWorker
+
+        return DecodeWorker
+    from pdcluster.engine.actor import EngineActor
+
+    return EngineActor
+
+
+def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: str) -> EngineSpec:
+    """The EngineSpec of replica `index` of `role` (the one mapping from config to engines).
+
+    The KV secret is not part of it: the actor receives it separately and writes it to a private
+    file on its own node (EngineActor), so specs can be logged and shown.
+    """
+    section = config.role(role)
+    kv = config.kv_transfer
+    kv_extra = None
+    if role != "aggregated":
+        kv_extra = {
+            "transport": kv.backend,
+            "bind_host": kv.bind_host,
+            "port_range": list(kv.port_range),
+            "lease_s": kv.lease_seconds,
+            "pull_timeout_s": kv.pull_timeout_seconds,
+            "max_chunk_bytes": kv.max_chunk_bytes,
+            "pull_threads": kv.pull_threads,
+            "model_id": config.model.served_name,
+            "fault_injection": kv.fault_injection.model_dump(),
+        }
+        if kv.advertise_host:
+            kv_extra["advertise_host"] = kv.advertise_host
+    async_sched = section.async_scheduling
+    if async_sched is None and role == "decode":
+        async_sched = True
+    engine_args = dict(section.engine_args)
+    if config.model.tokenizer:
+        engine_args["tokenizer"] = config.model.tokenizer
+    return EngineSpec(
+        role=role,
+        engine_id=f"{config.name}-{replica_id}",
+        model=config.model.path,
+        served_model_name=config.model.served_name,
+        dtype=config.model.dtype,
+        max_model_len=config.model.max_model_len,
+        engine_args=engine_args,
+        speculative=config.speculative.vllm_config() if config.speculative else None,
+        async_scheduling=async_sched,
+        kv_extra=kv_extra,
+        kv_load_failure_policy=kv.failure_policy,
+        http_host=kv.bind_host,
+        cpu_threads_bind=section.bind_for(index),
+        kv_cache_gib=section.kv_cache_gib,
+    )
+
+
+class Controller:
+    def __init__(self, config_json: str, secret: str):
+        setup_logging()
+        self.config = ClusterConfig.model_validate_json(config_json)
+        self._secret = secret
+        self._retired: list[Replica] = []
+        self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
+        self._counters = {role: itertools.count() for role in self.pools}
+        self.router = None
+        self.endpoint: str | None = None
+        self.started_at = time.time()
+        self._monitor: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+        self._stopping = False
+        self._lock = asyncio.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Start the router and every configured replica; returns the endpoint URL at once."""
+        import ray
+
+        cfg = self.config
+        settings = RouterSettings(
+            model_name=cfg.model.served_name,
+            mode=cfg.mode,
+            policy=cfg.router.policy,
+            api_keys=self._api_keys(),
+            request_timeout_s=cfg.router.request_timeout_seconds,
+            max_body_bytes=cfg.router.max_body_bytes,
+            max_model_len=cfg.model.max_model_len,
+            tokenizer_path=cfg.model.tokenizer or cfg.model.path,
+        )
+        self.router = ray.remote(RouterActor).options(
+            name=f"{cfg.name}-router", num_cpus=0, max_concurrency=1000
+        ).remote(settings)
+        self.endpoint = await self.router.start.remote(cfg.router.host, cfg.router.port)
+        for role in cfg.serving_roles():
+            for _ in range(cfg.role(role).replicas):
+                self._add_replica(role)
+        self._monitor = asyncio.create_task(self._monitor_loop())
+        return self.endpoint
+
+    def _api_keys(self) -> list[str]:
+        keys = list(self.config.router.api_keys)
+        if self.config.router.api_keys_file:
+            path = self.config.router.api_keys_file
+            try:
+                with open(path) as f:
+                    keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+            except OSError as exc:
+                raise ConfigError(f"router.api_keys_file: {exc}") from exc
+        return keys
+
+    def _add_replica(self, role: RoleName) -> Replica:
+        index = next(self._counters[role])
+        replica_id = f"{role}-{index}"
+        spec = engine_spec(self.config, role, index, replica_id)
+        replica = Replica(replica_id, role, index, spec)
+        replica.set_state(ReplicaState.STARTING)
+        self.pools[role].append(replica)
+        replica.task = asyncio.create_task(self._start_replica(replica))
+        return replica
+
+    async def _start_replica(self, replica: Replica) -> None:
+        import ray
+
+        res = self.config.role(replica.role).resources
+        options: dict[str, Any] = {
+            "name": f"{self.config.name}-{replica.replica_id}",
+            "num_cpus": res.cpus,
+            "num_gpus": res.gpus,
+            "max_concurrency": 64,
+            "runtime_env": {"env_vars": replica.spec.env()},
+        }
+        if res.npus:
+            options["resources"] = {"NPU": res.npus}
+        try:
+            replica.stage = "scheduling actor"
+            replica.actor = ray.remote(_worker_class(replica.role)).options(**options).remote(
+                replica.spec, self._secret
+            )
+            replica.stage = "starting engine"
+            info = await replica.actor.start.remote()
+        except Exception as exc:  # noqa: BLE001 - any failure to start marks the replica dead
+            replica.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            replica.stage = "failed"
+            replica.set_state(ReplicaState.DEAD)
+            logger.error("replica %s failed to start: %s", replica.replica_id, replica.error)
+            await self._publish()
+            return
+        if replica.state != ReplicaState.STARTING:  # scaled away while starting
+            return
+        replica.info = info
+        replica.url = info["url"]
+        replica.node = info.get("node", "")
+        replica.stage = "ready"
+        replica.ready_at = time.time()
+        replica.set_state(ReplicaState.READY)
+        logger.info("replica %s ready at %s", replica.replica_id, replica.url)
+        await self._publish()
+
+    async def _publish(self) -> None:
+        """Push replica membership and stats to the router; wake up waiters."""
+        rows = [r.router_row() for pool in self.pools.values() for r in pool if r.url]
+        if self.router is not None:
+            await self.router.update_replicas.remote(rows)
+        self._changed.set()
+
+    async def _monitor_loop(self) -> None:
+        import ray
+
+        while not self._stopping:
+            live = [r for pool in self.pools.values() for r in pool if r.state in (ReplicaState.READY, ReplicaState.DRAINING)]
+            refs = [r.actor.info.remote() for r in live]
+            for replica, ref in zip(live, refs):
+                try:
+                    replica.info = await asyncio.wait_for(ref, INFO_TIMEOUT_S)
+                except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
+                    if replica.state == ReplicaState.READY:
+                        replica.error = f"unreachable: {type(exc).__name__}"
+                        replica.stage = "dead"
+                        replica.set_state(ReplicaState.DEAD)
+                        logger.error("replica %s is dead: %s", replica.replica_id, exc)
+            await self._publish()
+            self._changed.clear()
+            await asyncio.sleep(MONITOR_INTERVAL_S)  # polling interval of the health monitor
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """True once every replica started (ready or dead) and the router can serve."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            starting = [r for pool in self.pools.values() for r in pool if r.state == ReplicaState.STARTING]
+            if not starting:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+            self._changed.clear()
+
+    # -- scaling ------------------------------------------------------------------------
+
+    async def scale(self, role: RoleName, replicas: int) -> dict[str, Any]:
+        if role not in self.config.serving_roles():
+            raise ConfigError(f"role {role!r} is not served in {self.config.mode} mode")
+        if replicas < 0:
+            raise ConfigError("replicas must be ≥ 0")
+        async with self._lock:
+            active = [r for r in self.pools[role] if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
+            added, draining = [], []
+            for _ in range(replicas - len(active)):
+                added.append(self._add_replica(role).replica_id)
+            if replicas < len(active):
+                # Drop starting replicas first, then the least loaded ready ones.
+                inflight = await self.router.inflight.remote()
+                active.sort(key=lambda r: (r.state != ReplicaState.STARTING, inflight.get(r.replica_id, 0), -r.index))
+                for replica in active[: len(active) - replicas]:
+                    draining.append(replica.replica_id)
+                    replica.set_state(ReplicaState.DRAINING)
+                    replica.stage = "draining"
+                    replica.task = asyncio.create_task(self._drain_and_stop(replica))
+            self.config.role(role).replicas = replicas
+            await self._publish()
+        return {"role": role, "replicas": replicas, "added": added, "draining": draining}
+
+    async def _drain_and_stop(self, replica: Replica) -> None:
+        """No new requests reach it (router excludes DRAINING); stop once it holds nothing."""
+        deadline = time.monotonic() + self.config.router.request_timeout_seconds + self.config.kv_transfer.lease_seconds
+        while time.monotonic() < deadline and replica.actor is not None and replica.url:
+            inflight = (await self.router.inflight.remote()).get(replica.replica_id, 0)
+            stats = (replica.info or {}).get("stats") or {}
+            busy = stats.get("running", 0) or stats.get("waiting", 0) or stats.get("kv_cache_usage", 0.0) > 0
+            if inflight == 0 and not busy:
+                break
+            await asyncio.sleep(MONITOR_INTERVAL_S)  # re-check after the monitor's next refresh
+        await self._stop_replica(replica)
+
+    async def _stop_replica(self, replica: Replica) -> None:
+        import ray
+
+        replica.stage = "stopping"
+        if replica.actor is not None:
+            try:
+                await asyncio.wait_for(replica.actor.shutdown.remote(), 60)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
+                logger.warning("replica %s did not shut down cleanly: %s", replica.replica_id, exc)
+            ray.kill(replica.actor, no_restart=True)
+            replica.actor = None
+        replica.stage = "stopped"
+        replica.set_state(ReplicaState.DEAD)
+        self.pools[replica.role].remove(replica)
+        self._retired.append(replica)
+        await self._publish()
+
+    # -- status -------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        latency = await self.router.latency.remote() if self.router is not None else {}
+        inflight = await self.router.inflight.remote() if self.router is not None else {}
+        rows = []
+        for pool in self.pools.values():
+            for r in pool:
+                info = r.info or {}
+                stats = info.get("stats") or {}
+                lat = latency.get(r.replica_id, {})
+                rows.append(
+                    {
+                        "replica": r.replica_id,
+                        "role": r.role,
+                        "node": r.node,
+                        "state": r.state.label,
+                        "stage": r.stage,
+                        "url": r.url,
+                        "error": r.error,
+                        "inflight": inflight.get(r.replica_id, 0),
+                        "running": stats.get("running", 0),
+                        "waiting": stats.get("waiting", 0),
+                        "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+                        "ttft_p50": (lat.get("ttft") or {}).get("p50"),
+                        "ttft_p99": (lat.get("ttft") or {}).get("p99"),
+                        "itl_p50": (lat.get("itl") or {}).get("p50"),
+                        "itl_p99": (lat.get("itl") or {}).get("p99"),
+                        "prefill_p50": (lat.get("phase") or {}).get("p50"),
+                        "prefill_p99": (lat.get("phase") or {}).get("p99"),
+                        "async_scheduling": info.get("async_scheduling"),
+                        "async_scheduling_reason": info.get("async_scheduling_reason", ""),
+                        "kv_backend": self.config.kv_transfer.backend if r.role != "aggregated" else None,
+                        "stats": stats,
+                        "transitions": r.transitions,
+                    }
+                )
+        return {
+            "name": self.config.name,
+            "endpoint": self.endpoint,
+            "mode": self.config.mode,
+            "model": self.config.model.served_name,
+            "speculative": self.config.speculative.vllm_config() if self.config.speculative else None,
+            "uptime_s": time.time() - self.started_at,
+            "replicas": rows,
+            "retired": [
+                {"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired
+            ],
+        }
+
+    def ping(self) -> str:
+        return "ok"
+
+    async def shutdown(self) -> None:
+        import ray
+
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+        if self.router is not None:
+            try:
+                await self.router.stop.remote()
+            except ray.exceptions.RayActorError as exc:
+                logger.warning("router did not stop cleanly: %s", exc)
+            ray.kill(self.router, no_restart=True)
+            self.router = None
+        replicas = [r for pool in self.pools.values() for r in pool]
+        for r in replicas:
+            if r.task is not None and not r.task.done():
+                r.task.cancel()
+        await asyncio.gather(*(self._stop_replica(r) for r in replicas), return_exceptions=True)

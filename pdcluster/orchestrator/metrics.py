@@ -1,0 +1,125 @@
+"""Router metrics: Prometheus exposition for `/metrics`, and per-replica latency windows for
+`pdcluster status` (p50/p99 over the last minute).
+
+Request-path metrics are observed by the router itself (what clients experience). Engine-side
+gauges and counters (running/waiting, KV cache usage, KV handoff bytes and pull time, speculative
+decoding) are pushed by the controller with each replica update and exported by a collector.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0,
+)
+WINDOW_S = 60.0
+
+
+class LatencyWindow:
+    """Samples of the last WINDOW_S seconds; percentiles on demand."""
+
+    def __init__(self, window_s: float = WINDOW_S, max_samples: int = 20000):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+
+    def add(self, value: float, now: float | None = None) -> None:
+        with self._lock:
+            self._samples.append((time.monotonic() if now is None else now, value))
+
+    def percentiles(self, qs=(0.5, 0.99), now: float | None = None) -> dict[str, float | None]:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._samples and self._samples[0][0] < now - self.window_s:
+                self._samples.popleft()
+            values = sorted(v for _, v in self._samples)
+        out: dict[str, float | None] = {}
+        for q in qs:
+            key = f"p{int(q * 100)}"
+            if not values:
+                out[key] = None
+            else:
+                # nearest-rank percentile
+                out[key] = values[max(0, min(len(values) - 1, math.ceil(q * len(values)) - 1))]
+        out["count"] = len(values)
+        return out
+
+
+class ReplicaWindows:
+    def __init__(self) -> None:
+        self.ttft = LatencyWindow()
+        self.itl = LatencyWindow()
+        self.phase = LatencyWindow()  # prefill replicas: time of the prefill call
+
+    def summary(self) -> dict[str, Any]:
+        return {"ttft": self.ttft.percentiles(), "itl": self.itl.percentiles(), "phase": self.phase.percentiles()}
+
+
+class _EngineCollector:
+    """Exports the engine stats the controller last pushed, per replica."""
+
+    def __init__(self, source) -> None:
+        self._source = source  # callable -> list[dict(replica_id, role, stats)]
+
+    def collect(self):
+        running = GaugeMetricFamily("pdcluster_replica_running", "Sequences running in the engine", labels=["replica", "role"])
+        waiting = GaugeMetricFamily("pdcluster_replica_waiting", "Requests waiting in the engine queue", labels=["replica", "role"])
+        kv_usage = GaugeMetricFamily("pdcluster_replica_kv_cache_usage", "Fraction of KV cache blocks in use", labels=["replica", "role"])
+        pulls = CounterMetricFamily("pdcluster_kv_pulls", "KV pulls by decode replicas", labels=["replica", "outcome"])
+        kv_bytes = CounterMetricFamily("pdcluster_kv_handoff_bytes", "KV bytes pulled by decode replicas", labels=["replica"])
+        kv_seconds = CounterMetricFamily("pdcluster_kv_pull_seconds", "Time spent in KV pulls (sum; divide by pulls for the mean)", labels=["replica"])
+        leases = CounterMetricFamily("pdcluster_kv_leases", "KV leases ended on prefill replicas", labels=["replica", "outcome"])
+        drafts = CounterMetricFamily("pdcluster_spec_draft_tokens", "MTP draft tokens proposed", labels=["replica"])
+        accepted = CounterMetricFamily("pdcluster_spec_accepted_tokens", "MTP draft tokens accepted", labels=["replica"])
+        rate = GaugeMetricFamily("pdcluster_spec_acceptance_rate", "Accepted / draft tokens since start", labels=["replica"])
+        for row in self._source():
+            stats = row.get("stats") or {}
+            rid, role = row["replica_id"], row["role"]
+            running.add_metric([rid, role], stats.get("running", 0))
+            waiting.add_metric([rid, role], stats.get("waiting", 0))
+            kv_usage.add_metric([rid, role], stats.get("kv_cache_usage", 0.0))
+            if role in ("decode", "aggregated"):
+                pulls.add_metric([rid, "ok"], stats.get("kv_pulls_ok", 0))
+                pulls.add_metric([rid, "failed"], stats.get("kv_pulls_failed", 0))
+                kv_bytes.add_metric([rid], stats.get("kv_bytes_received", 0))
+                kv_seconds.add_metric([rid], stats.get("kv_pull_seconds", 0.0))
+                drafts.add_metric([rid], stats.get("spec_draft_tokens", 0))
+                accepted.add_metric([rid], stats.get("spec_accepted_tokens", 0))
+                if stats.get("spec_acceptance_rate") is not None:
+                    rate.add_metric([rid], stats["spec_acceptance_rate"])
+            if role == "prefill":
+                leases.add_metric([rid, "released"], stats.get("kv_leases_released", 0))
+                leases.add_metric([rid, "expired"], stats.get("kv_leases_expired", 0))
+        yield from (running, waiting, kv_usage, pulls, kv_bytes, kv_seconds, leases, drafts, accepted, rate)
+
+
+class RouterMetrics:
+    def __init__(self, engine_rows) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdcluster_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
+        self.ttft = Histogram("pdcluster_ttft_seconds", "Time to first token (router view)", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdcluster_itl_seconds", "Inter-token latency (router view)", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdcluster_e2e_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("pdcluster_prefill_seconds", "Prefill phase incl. KV lease setup", buckets=LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge("pdcluster_replica_inflight", "Requests the router has in flight per replica", ["replica", "role"], registry=r)
+        self.retries = Counter("pdcluster_retries", "Phase retries on another replica", ["role"], registry=r)
+        r.register(_EngineCollector(engine_rows))
+        self.windows: dict[str, ReplicaWindows] = {}
+
+    def window(self, replica_id: str) -> ReplicaWindows:
+        w = self.windows.get(replica_id)
+        if w is None:
+            w = self.windows[replica_id] = ReplicaWindows()
+        return w
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

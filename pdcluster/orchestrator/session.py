@@ -1,0 +1,155 @@
+"""Where a running cluster lives: its Ray cluster, the local head we started, its endpoint.
+
+`pdcluster up` records a session file per cluster name under $PDCLUSTER_HOME (default
+~/.pdcluster) so that `status`, `scale` and `down` find the cluster again. When no Ray address is
+configured, `up` starts a local Ray head as a child process group (`ray start --head --block`),
+waits for its own "started" message, and `down` stops exactly that process group (never other
+Ray clusters on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdcluster.errors import ConfigError, PDClusterError
+
+HEAD_START_TIMEOUT_S = 120
+
+
+def state_home() -> Path:
+    return Path(os.environ.get("PDCLUSTER_HOME", "~/.pdcluster")).expanduser()
+
+
+@dataclass
+class Session:
+    name: str
+    ray_address: str
+    namespace: str
+    endpoint: str | None = None
+    head_pid: int | None = None  # process group of the Ray head we started (None: joined)
+    config_path: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return state_home() / f"{self.name}.json"
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, name: str | None) -> Session:
+        home = state_home()
+        if name is None:
+            found = sorted(home.glob("*.json")) if home.exists() else []
+            if not found:
+                raise ConfigError("no running cluster (pdcluster up FILE starts one)")
+            if len(found) > 1:
+                names = ", ".join(p.stem for p in found)
+                raise ConfigError(f"several clusters are up ({names}): choose one with --name")
+            path = found[0]
+        else:
+            path = home / f"{name}.json"
+            if not path.exists():
+                raise ConfigError(f"no running cluster named {name!r}")
+        return cls(**json.loads(path.read_text()))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def ray_command() -> list[str]:
+    return [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def start_local_head(num_cpus: int | None, log_path: Path) -> tuple[str, int]:
+    """Start `ray start --head --block` in its own process group; return (address, pid)."""
+    port = free_port()
+    cmd = [
+        *ray_command(), "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+    seen = b""
+    while b"Ray runtime started" not in seen:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process_group(proc.pid)
+            raise PDClusterError(f"local Ray head did not start (see {log_path}): {seen[-500:].decode(errors='replace')}")
+        if sel.select(timeout=1.0):
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            seen += chunk
+            log.write(chunk)
+    # Keep draining its stdout into the log so the head never blocks on a full pipe.
+    _drain_in_background(proc, log)
+    return f"127.0.0.1:{port}", proc.pid
+
+
+def _drain_in_background(proc: subprocess.Popen, log) -> None:
+    import threading
+
+    def pump() -> None:
+        for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
+            log.write(chunk)
+            log.flush()
+
+    threading.Thread(target=pump, daemon=True, name="ray-head-log").start()
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_process_group(pgid: int, timeout_s: float = 30.0) -> None:
+    """SIGTERM the group (Ray cleans up its processes), SIGKILL whatever is left."""
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            _reap(pgid)
+            if not process_group_alive(pgid):
+                return
+            time.sleep(0.1)  # polling a process group's exit (no event exists for it)
+
+
+def _reap(pid: int) -> None:
+    """Collect the head's exit status if it is our child (else it would linger as a zombie)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return

@@ -1,0 +1,177 @@
+"""The whole system through its CLI and endpoint: `pdcluster up` (local Ray head, controller,
+prefill + decode actors, router), the official openai client, scaling under load, status,
+`down` leaving nothing behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from pdcluster.engine.spec import EngineSpec
+from tests.support.cluster import cli, cluster_up, leftover_processes, write_config
+from tests.support.engines import MODEL, run_engine
+from tests.support.prompts import heldout_prompts
+
+pytestmark = pytest.mark.e2e
+
+API_KEY = "test-key-123"
+NAME = "tiny"
+PROMPTS = heldout_prompts()[:6]
+CHAT = [[{"role": "user", "content": p}] for p in heldout_prompts()[6:9]]
+MAX_TOKENS = 16
+RAY_MARKERS = ("raylet", "gcs_server", "ray::", "default_worker.py", "ray.scripts.scripts", "VLLM::")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Greedy outputs of one aggregated engine with the cluster's model and MTP settings."""
+    tmp = tmp_path_factory.mktemp("reference")
+    spec = EngineSpec(
+        role="aggregated", engine_id="reference", model=str(MODEL), served_model_name=NAME,
+        max_model_len=1024, engine_args={"enforce_eager": True},
+        speculative={"method": "mtp", "num_speculative_tokens": 1}, kv_cache_gib=1,
+    )
+    with run_engine(spec, tmp) as engine:
+        client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
+        completions = [
+            client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+            for p in PROMPTS
+        ]
+        chats = [
+            client.chat.completions.create(model=NAME, messages=m, max_tokens=MAX_TOKENS, temperature=0)
+            .choices[0].message.content
+            for m in CHAT
+        ]
+    return {"completions": completions, "chat": chats}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, reference):
+    home = tmp_path_factory.mktemp("pdcluster-home")
+    config = write_config(home / "cluster.yaml", name="e2e-local", router={"api_keys": [API_KEY]})
+    with cluster_up(home, config) as running:
+        yield running
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_completions_match_aggregated_engine(client, reference):
+    for prompt, expected in zip(PROMPTS, reference["completions"]):
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == expected
+
+
+def test_streaming_completions_match(client, reference):
+    for prompt, expected in zip(PROMPTS[:3], reference["completions"]):
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+
+
+def test_chat_matches_streaming_and_not(client, reference):
+    for messages, expected in zip(CHAT, reference["chat"]):
+        got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].message.content == expected
+        stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == expected
+
+
+def test_models_health_and_metrics(cluster):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=cluster.endpoint, timeout=30) as http:
+        models = http.get("/v1/models", headers=headers).json()
+        assert [m["id"] for m in models["data"]] == [NAME]
+        assert http.get("/health").status_code == 200
+        metrics = http.get("/metrics", headers=headers).text
+    for name in ("pdcluster_ttft_seconds", "pdcluster_itl_seconds", "pdcluster_e2e_latency_seconds",
+                 "pdcluster_requests_total", "pdcluster_replica_inflight", "pdcluster_kv_handoff_bytes_total",
+                 "pdcluster_kv_pull_seconds_total", "pdcluster_replica_waiting"):
+        assert name in metrics, name
+
+
+def test_api_key_required(cluster):
+    body = {"model": NAME, "prompt": "x = 1", "max_tokens": 2}
+    with httpx.Client(base_url=cluster.endpoint, timeout=30) as http:
+        missing = http.post("/v1/completions", json=body)
+        wrong = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        right = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    assert wrong.status_code == 401
+    assert right.status_code == 200
+
+
+def _stream_one(client, i: int) -> str:
+    stream = client.completions.create(
+        model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=24, temperature=0, stream=True
+    )
+    return "".join(c.choices[0].text for c in stream if c.choices)
+
+
+def test_32_concurrent_streams_complete(client):
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: _stream_one(client, i), range(32)))
+    assert len(results) == 32 and all(results)
+
+
+def test_status_json_reflects_cluster(cluster):
+    status = cluster.status()
+    assert status["endpoint"] == cluster.endpoint
+    roles = sorted((r["role"], r["state"]) for r in status["replicas"])
+    assert roles == [("decode", "ready"), ("prefill", "ready")]
+    decode = next(r for r in status["replicas"] if r["role"] == "decode")
+    assert decode["ttft_p50"] is not None and decode["itl_p50"] is not None
+    assert decode["async_scheduling"] is False and "cpu" in decode["async_scheduling_reason"]
+    assert "secret" not in str(status).lower()
+
+
+def test_scale_decode_up_and_down_under_load(cluster, client):
+    stop = threading.Event()
+    failures: list[str] = []
+    done = [0]
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            try:
+                assert _stream_one(client, i)
+                done[0] += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded and fails the test
+                failures.append(repr(exc))
+            i += 1
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        cli(cluster.home, "scale", "decode", "2", "--wait", "--name", cluster.name)
+        assert sorted(r["state"] for r in cluster.status()["replicas"] if r["role"] == "decode") == ["ready", "ready"]
+        served_before = done[0]
+        cli(cluster.home, "scale", "decode", "1", "--wait", "--name", cluster.name)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert failures == []
+    assert done[0] > served_before > 0
+    status = cluster.status()
+    assert [r["state"] for r in status["replicas"] if r["role"] == "decode"] == ["ready"]
+    retired = [r for r in status["retired"] if r["role"] == "decode"]
+    assert len(retired) == 1
+    assert [state for _, state in retired[0]["transitions"]] == ["starting", "ready", "draining", "dead"]
+
+
+def test_down_leaves_no_processes(cluster):
+    cli(cluster.home, "down", "--name", cluster.name, timeout=300)
+    deadline = time.monotonic() + 30
+    while (left := leftover_processes(RAY_MARKERS)) and time.monotonic() < deadline:
+        time.sleep(0.5)  # processes exit asynchronously after their group is signalled
+    assert left == []
+    assert not (cluster.home / f"{cluster.name}.json").exists()

@@ -1,0 +1,99 @@
+"""Run the real `pdcluster` CLI against real Ray for tests (each test cluster isolated by
+PDCLUSTER_HOME and its own router port)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tests.support.engines import MODEL, REPO
+
+PDCLUSTER = [sys.executable, "-m", "pdcluster.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, **overrides) -> Path:
+    config = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    config["model"]["path"] = str(MODEL)
+    config["model"]["max_model_len"] = 1024
+    config["router"]["port"] = free_port()
+    for role in ("prefill", "decode", "aggregated"):
+        config["roles"][role]["kv_cache_gib"] = 1
+    _merge(config, overrides)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _merge(base: dict, extra: dict) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def cli(home: Path, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PDCLUSTER_HOME=str(home))
+    result = subprocess.run(
+        [*PDCLUSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"pdcluster {' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+        )
+    return result
+
+
+@dataclass
+class RunningCluster:
+    home: Path
+    config_path: Path
+    name: str
+    endpoint: str
+
+    def status(self) -> dict:
+        return json.loads(cli(self.home, "status", "--json", "--name", self.name).stdout)
+
+
+@contextlib.contextmanager
+def cluster_up(home: Path, config_path: Path) -> Iterator[RunningCluster]:
+    name = yaml.safe_load(config_path.read_text())["name"]
+    up = cli(home, "up", str(config_path))
+    endpoint = up.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    try:
+        yield RunningCluster(home, config_path, name, endpoint)
+    finally:
+        cli(home, "down", "--name", name, timeout=300, check=False)
+
+
+def leftover_processes(markers: tuple[str, ...]) -> list[str]:
+    """Command lines of live processes (not zombies) containing any marker."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if any(m in cmdline for m in markers):
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found

@@ -1,0 +1,94 @@
+"""Cluster YAML validation: every bad input is one clear line naming the YAML path, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdcluster.config import load_config, validate_config
+from pdcluster.errors import ConfigError
+from pdcluster.orchestrator.controller import engine_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"model": {"path": "models/pdcluster-tiny-code"}}
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdcluster.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "nvidia-node.yaml", "ascend-node.yaml"])
+def test_shipped_configs_are_valid(name):
+    config = load_config(ROOT / "configs" / name)
+    assert config.model.served_name
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({**BASE, "roles": {"decode": {"replicas": -1}}}, "roles.decode.replicas: must be ≥ 0"),
+        ({**BASE, "rolez": {}}, "rolez: unknown key"),
+        ({**BASE, "roles": {"prefill": {"replicaz": 2}}}, "roles.prefill.replicaz: unknown key"),
+        ({**BASE, "router": {"port": "eighty"}}, "router.port: Input should be a valid integer"),
+        ({**BASE, "roles": {"decode": {"engine_args": {"model": "other"}}}}, "roles.decode.engine_args: 'model' is set once"),
+        ({**BASE, "roles": {"decode": {"engine_args": {"block_size": 64}}}}, "roles.decode.engine_args.block_size: must equal roles.prefill"),
+        ({**BASE, "speculative": {"method": "eagle"}}, "speculative.method: Input should be 'mtp'"),
+        ({**BASE, "kv_transfer": {"port_range": [80, 90]}}, "kv_transfer.port_range: need 1024"),
+        ({**BASE, "kv_transfer": {"secret": "a", "secret_file": "b"}}, "kv_transfer: set either secret or secret_file"),
+        ({**BASE, "roles": {"decode": {"cpu_bind": ["one"]}}}, "roles.decode.cpu_bind: 'one' is not a core list"),
+        ({"mode": "aggregated"}, "model: required"),
+    ],
+)
+def test_errors_name_the_yaml_path(data, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(data, "cluster.yaml")
+    assert str(info.value).startswith("cluster.yaml: ")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("model: {path: m}\nroles: {decode: {replicas: -2}}\n", "roles.decode.replicas: must be ≥ 0"),
+        ("model: {path: m}\nextra_key: 1\n", "extra_key: unknown key"),
+        ("model: {path: m}\nroles: {prefill: {replicas: two}}\n", "roles.prefill.replicas: Input should be a valid integer"),
+        ("model: {path: m}\nroles: {prefill: {engine_args: {model: other-model}}}\n", "'model' is set once"),
+        ("model: [unclosed\n", "not valid YAML (line"),
+    ],
+)
+def test_cli_reports_one_line_and_exit_2(tmp_path, content, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    for command in (["config", "validate", str(path)], ["up", str(path)]):
+        result = cli(*command)
+        assert result.returncode == 2, result
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
+        assert result.stdout == ""
+
+
+def test_cli_validate_ok():
+    result = cli("config", "validate", "configs/local-cpu.yaml")
+    assert result.returncode == 0 and result.stdout.strip() == "ok"
+
+
+def test_missing_file_is_bad_input(tmp_path):
+    result = cli("config", "validate", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2 and "No such file" in result.stderr
+
+
+def test_engine_specs_follow_the_config():
+    config = load_config(ROOT / "configs" / "local-cpu.yaml")
+    prefill = engine_spec(config, "prefill", 0, "prefill-0")
+    decode = engine_spec(config, "decode", 0, "decode-0")
+    assert prefill.cpu_threads_bind == "0" and decode.cpu_threads_bind == "1"
+    assert prefill.speculative == decode.speculative == {"method": "mtp", "num_speculative_tokens": 1}
+    assert decode.async_scheduling is True and prefill.async_scheduling is None
+    assert prefill.kv_transfer_config()["kv_role"] == "kv_producer"
+    assert decode.kv_transfer_config()["kv_role"] == "kv_consumer"
+    assert "secret" not in yaml.safe_dump(prefill.kv_extra)
+    assert prefill.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
