@@ -35,6 +35,7 @@ def measure(model: Path, max_tokens: int, k: int) -> dict:
     samples = [
         {"prompt": prompts[i], "completion": outputs[i].outputs[0].text} for i in (0, 7, 19)
     ]
+    texts = [o.outputs[0].text for o in outputs]
     return {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
@@ -42,8 +43,15 @@ def measure(model: Path, max_tokens: int, k: int) -> dict:
         "draft_tokens": int(drafts),
         "accepted_tokens": int(accepted),
         "acceptance_rate": accepted / drafts if drafts else 0.0,
+        "repetition_loops": sum(ends_in_loop(t) for t in texts),
         "samples": samples,
     }
+
+
+def ends_in_loop(text: str) -> bool:
+    """True when the continuation ends by repeating one line (a greedy-decoding loop)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return len(lines) >= 4 and len(set(lines[-4:-1])) == 1
 
 
 def write_card(model: Path, report: dict, mtp: dict) -> None:
@@ -98,6 +106,15 @@ def write_card(model: Path, report: dict, mtp: dict) -> None:
         f"\"num_speculative_tokens\": {mtp['num_speculative_tokens']}}}`, greedy, {mtp['prompts']} held-out prompts,",
         f"{mtp['max_tokens']} tokens each: **acceptance rate {mtp['acceptance_rate']:.3f}** "
         f"({mtp['accepted_tokens']} accepted / {mtp['draft_tokens']} draft tokens).",
+        "",
+        "## Limitations",
+        "",
+        "A 6 M-parameter model trained for 25 minutes: continuations look like stdlib Python",
+        "(docstrings, `def`, `self.`, imports, codec tables) but are not meaningful, and greedy",
+        f"decoding often falls into loops: {mtp['repetition_loops']} of {mtp['prompts']} continuations end by",
+        "repeating one line (typically `#`). Repetitive text is easy to draft, so the acceptance",
+        "rate above is higher than a real model's would be; P/D comparisons in tests and benchmarks",
+        "use the same prompts on both sides, so they stay fair.",
         "",
         "## Samples (greedy, held-out prompts)",
         "",
