@@ -132,8 +132,12 @@ def process_group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_process_group(pgid: int, timeout_s: float = 30.0) -> None:
-    """SIGTERM the group (Ray cleans up its processes), SIGKILL whatever is left."""
+def stop_process_group(pgid: int, timeout_s: float = 5.0) -> None:
+    """SIGTERM the group, SIGKILL whatever is left after timeout_s.
+
+    `ray start --block` stops its processes one by one on SIGTERM (~30 s here); by the time we
+    get here the engines have been shut down gracefully, so the rest may be killed.
+    """
     for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)

@@ -147,7 +147,8 @@ def test_scale_decode_up_and_down_under_load(cluster, client):
                 failures.append(repr(exc))
             i += 1
 
-    threads = [threading.Thread(target=load) for _ in range(4)]
+    # Two clients keep streams in flight without saturating this 2-core machine's CPU.
+    threads = [threading.Thread(target=load) for _ in range(2)]
     for t in threads:
         t.start()
     try:
