@@ -1,0 +1,103 @@
+"""MTP speculative decoding through the P/D path stays lossless and keeps its acceptance.
+
+Engines (real vLLM, separate processes): aggregated without MTP, aggregated with MTP k, and a
+prefill + decode pair with MTP k, for each k the tiny model supports. Greedy output must be
+identical everywhere; the P/D acceptance rate must be within 3 points of the aggregated one on
+the same prompts (a lower P/D rate means the draft layer's KV was not handed over right).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.engine.spec import EngineSpec
+from tests.support.engines import MODEL, kv_extra, run_engines
+from tests.support.prompts import heldout_prompts
+
+pytestmark = pytest.mark.e2e
+
+NAME = "tiny"
+KS = (1, 2)
+PROMPTS = heldout_prompts()[:24]
+MAX_TOKENS = 48
+
+
+def spec(engine_id, role, k, bind, secret_file):
+    return EngineSpec(
+        role=role,
+        engine_id=engine_id,
+        model=str(MODEL),
+        served_model_name=NAME,
+        max_model_len=1024,
+        engine_args={"enforce_eager": True, "max_num_seqs": 8},
+        speculative={"method": "mtp", "num_speculative_tokens": k} if k else None,
+        kv_extra=None if role == "aggregated" else kv_extra(secret_file),
+        cpu_threads_bind=bind,
+        kv_cache_gib=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp")
+    secret = tmp / "secret"
+    secret.write_text("mtp-test-secret")
+    specs = [spec("agg-off", "aggregated", 0, "0", secret)]
+    for k in KS:
+        specs += [
+            spec(f"agg-k{k}", "aggregated", k, "1", secret),
+            spec(f"prefill-k{k}", "prefill", k, "0", secret),
+            spec(f"decode-k{k}", "decode", k, "1", secret),
+        ]
+    with run_engines(specs, tmp) as running:
+        yield running
+
+
+def generate(engine, prompt, kv_transfer_params=None, max_tokens=MAX_TOKENS):
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    with engine.client() as client:
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def spec_counters(engine):
+    with engine.client() as client:
+        stats = client.get("/pdcluster/info").json()["stats"]
+    return stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+
+
+def acceptance(engine, run):
+    drafts0, accepted0 = spec_counters(engine)
+    outputs = run()
+    drafts1, accepted1 = spec_counters(engine)
+    assert drafts1 > drafts0, "no draft tokens: speculative decoding did not run"
+    return outputs, (accepted1 - accepted0) / (drafts1 - drafts0)
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    return [generate(engines["agg-off"], p)["choices"][0]["token_ids"] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("k", KS)
+def test_pd_with_mtp_is_lossless_and_keeps_acceptance(engines, reference, k):
+    agg, prefill, decode = engines[f"agg-k{k}"], engines[f"prefill-k{k}"], engines[f"decode-k{k}"]
+
+    agg_out, agg_rate = acceptance(agg, lambda: [generate(agg, p)["choices"][0]["token_ids"] for p in PROMPTS])
+
+    def pd_run():
+        outputs = []
+        for prompt in PROMPTS:
+            params = generate(prefill, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
+            outputs.append(generate(decode, prompt, params)["choices"][0]["token_ids"])
+        return outputs
+
+    pd_out, pd_rate = acceptance(decode, pd_run)
+    assert agg_out == reference  # aggregated MTP == no MTP
+    assert pd_out == reference  # P/D MTP == no MTP
+    assert abs(pd_rate - agg_rate) <= 0.03, f"P/D acceptance {pd_rate:.3f} vs aggregated {agg_rate:.3f}"
+    assert agg_rate > 0.3  # the trained head drafts well; a broken handoff would not move this
