@@ -250,9 +250,13 @@ def format_status(status: dict[str, Any]) -> str:
             notes.append(r["error"])
         if r["role"] != "prefill" and r["async_scheduling"] is False and r["async_scheduling_reason"]:
             notes.append(f"async scheduling off ({r['async_scheduling_reason']})")
-        rate = (r.get("stats") or {}).get("spec_acceptance_rate")
-        if rate is not None:
-            notes.append(f"MTP acceptance {rate:.2f}")
+        stats = r.get("stats") or {}
+        if stats.get("spec_acceptance_rate") is not None:
+            notes.append(
+                f"MTP acceptance {stats['spec_acceptance_rate']:.2f}, "
+                f"{stats['spec_mean_accepted_length']:.2f} tok/round "
+                f"({stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']} drafts)"
+            )
         if r.get("kv_backend"):
             notes.append(f"kv {r['kv_backend']}")
         lines.append(

@@ -9,6 +9,7 @@ the controller, tests and benchmarks build engines the same way.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from pathlib import Path
@@ -297,7 +298,32 @@ def load_config(path: str | Path) -> ClusterConfig:
     elif not model_path.is_absolute() and model_path.exists():
         config.model.path = str(model_path.resolve())
     config._base_dir = base
+    check_model(config, str(path))
     return config
+
+
+def check_model(config: ClusterConfig, source: str) -> None:
+    """Checks that need the model's files (when the model is a local directory)."""
+    model_config = Path(config.model.path) / "config.json"
+    if not model_config.is_file():
+        return
+    try:
+        hf = json.loads(model_config.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{source}: model.path: cannot read {model_config}: {exc}") from None
+    if config.speculative is not None and config.speculative.method == "mtp":
+        layers = int(hf.get("num_nextn_predict_layers") or 0)
+        if layers < 1:
+            raise ConfigError(
+                f"{source}: speculative.method: 'mtp' needs a model with MTP layers; "
+                f"{model_config} has num_nextn_predict_layers={layers}"
+            )
+    limit = hf.get("max_position_embeddings")
+    if config.model.max_model_len and limit and config.model.max_model_len > limit:
+        raise ConfigError(
+            f"{source}: model.max_model_len: {config.model.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
 
 
 def new_secret() -> str:

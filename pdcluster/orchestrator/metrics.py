@@ -80,6 +80,7 @@ class _EngineCollector:
         drafts = CounterMetricFamily("pdcluster_spec_draft_tokens", "MTP draft tokens proposed", labels=["replica"])
         accepted = CounterMetricFamily("pdcluster_spec_accepted_tokens", "MTP draft tokens accepted", labels=["replica"])
         rate = GaugeMetricFamily("pdcluster_spec_acceptance_rate", "Accepted / draft tokens since start", labels=["replica"])
+        length = GaugeMetricFamily("pdcluster_spec_mean_accepted_length", "Tokens per draft round (1 + accepted / rounds)", labels=["replica"])
         for row in self._source():
             stats = row.get("stats") or {}
             rid, role = row["replica_id"], row["role"]
@@ -95,10 +96,12 @@ class _EngineCollector:
                 accepted.add_metric([rid], stats.get("spec_accepted_tokens", 0))
                 if stats.get("spec_acceptance_rate") is not None:
                     rate.add_metric([rid], stats["spec_acceptance_rate"])
+                if stats.get("spec_mean_accepted_length") is not None:
+                    length.add_metric([rid], stats["spec_mean_accepted_length"])
             if role == "prefill":
                 leases.add_metric([rid, "released"], stats.get("kv_leases_released", 0))
                 leases.add_metric([rid, "expired"], stats.get("kv_leases_expired", 0))
-        yield from (running, waiting, kv_usage, pulls, kv_bytes, kv_seconds, leases, drafts, accepted, rate)
+        yield from (running, waiting, kv_usage, pulls, kv_bytes, kv_seconds, leases, drafts, accepted, rate, length)
 
 
 class RouterMetrics:

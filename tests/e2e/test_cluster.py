@@ -93,7 +93,9 @@ def test_models_health_and_metrics(cluster):
         metrics = http.get("/metrics", headers=headers).text
     for name in ("pdcluster_ttft_seconds", "pdcluster_itl_seconds", "pdcluster_e2e_latency_seconds",
                  "pdcluster_requests_total", "pdcluster_replica_inflight", "pdcluster_kv_handoff_bytes_total",
-                 "pdcluster_kv_pull_seconds_total", "pdcluster_replica_waiting"):
+                 "pdcluster_kv_pull_seconds_total", "pdcluster_replica_waiting",
+                 "pdcluster_spec_draft_tokens_total", "pdcluster_spec_acceptance_rate",
+                 "pdcluster_spec_mean_accepted_length"):
         assert name in metrics, name
 
 
@@ -129,7 +131,14 @@ def test_status_json_reflects_cluster(cluster):
     decode = next(r for r in status["replicas"] if r["role"] == "decode")
     assert decode["ttft_p50"] is not None and decode["itl_p50"] is not None
     assert decode["async_scheduling"] is False and "cpu" in decode["async_scheduling_reason"]
+    stats = decode["stats"]
+    assert stats["spec_draft_tokens"] > 0 and 0 < stats["spec_acceptance_rate"] <= 1
+    assert stats["spec_mean_accepted_length"] >= 1
+    assert stats["kv_pulls_ok"] > 0 and stats["kv_bytes_received"] > 0
     assert "secret" not in str(status).lower()
+    table = cli(cluster.home, "status", "--name", cluster.name).stdout
+    assert cluster.endpoint in table and "MTP acceptance" in table
+    assert "async scheduling off (turned off by vLLM's cpu platform)" in table
 
 
 def test_scale_decode_up_and_down_under_load(cluster, client):

@@ -92,3 +92,16 @@ def test_engine_specs_follow_the_config():
     assert decode.kv_transfer_config()["kv_role"] == "kv_consumer"
     assert "secret" not in yaml.safe_dump(prefill.kv_extra)
     assert prefill.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
+    model = tmp_path / "plain-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 4096}')
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": str(model)}, "speculative": {"method": "mtp"}}))
+    with pytest.raises(ConfigError, match="speculative.method: 'mtp' needs a model with MTP layers"):
+        load_config(path)
+    path.write_text(yaml.safe_dump({"model": {"path": str(model), "max_model_len": 8192}}))
+    with pytest.raises(ConfigError, match=r"model.max_model_len: 8192 exceeds the model's max_position_embeddings \(4096\)"):
+        load_config(path)

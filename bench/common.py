@@ -1,0 +1,189 @@
+"""Shared benchmark plumbing: launch a cluster through the real CLI, stream requests and time
+them token by token, summarise, and write results under bench/results/.
+
+Clusters are started with `python -m pdcluster.cli up` on a generated YAML (an isolated
+PDCLUSTER_HOME and router port) and stopped with `down`, exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODEL = ROOT / "models" / "pdcluster-tiny-code"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_config(name: str, **overrides) -> dict:
+    config = yaml.safe_load((ROOT / "configs" / "local-cpu.yaml").read_text())
+    config["name"] = name
+    config["model"]["path"] = str(MODEL)
+    config["router"]["port"] = free_port()
+    merge(config, overrides)
+    return config
+
+
+def merge(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def pdcluster(home: Path, *args: str, timeout: float = 900) -> str:
+    env = dict(os.environ, PDCLUSTER_HOME=str(home))
+    result = subprocess.run(
+        [sys.executable, "-m", "pdcluster.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"pdcluster {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+@contextlib.contextmanager
+def cluster(config: dict, workdir: Path) -> Iterator[str]:
+    """`pdcluster up` a config; yields the endpoint URL; `down` on exit."""
+    home = workdir / f"home-{config['name']}"
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = pdcluster(home, "up", str(path))
+    endpoint = out.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    try:
+        yield endpoint
+    finally:
+        pdcluster(home, "down", "--name", config["name"], timeout=300)
+
+
+def status(config: dict, workdir: Path) -> dict:
+    home = workdir / f"home-{config['name']}"
+    return json.loads(pdcluster(home, "status", "--json", "--name", config["name"]))
+
+
+@dataclass
+class RequestTiming:
+    ok: bool
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    itls: list[float] = field(default_factory=list)  # per token, after the first
+    error: str = ""
+
+
+def stream_completion(client: httpx.Client, model: str, prompt, max_tokens: int, **extra) -> RequestTiming:
+    """One streaming completion; per-token inter-token latencies from vLLM's continuous usage."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **extra,
+    }
+    start = time.perf_counter()
+    timing = RequestTiming(ok=False)
+    last, seen = None, 0
+    try:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {response.read()[:200]!r}"
+                return timing
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    timing.error = str(event["error"])[:200]
+                    return timing
+                usage = event.get("usage") or {}
+                count = usage.get("completion_tokens", seen)
+                if count > seen and event.get("choices"):
+                    now = time.perf_counter()
+                    new = count - seen
+                    if last is None:
+                        timing.ttft = now - start
+                        new -= 1
+                    else:
+                        timing.itls.extend([(now - last) / new] * new)
+                    last, seen = now, count
+    except httpx.HTTPError as exc:
+        timing.error = repr(exc)
+        return timing
+    timing.e2e = time.perf_counter() - start
+    timing.tokens = seen
+    timing.ok = seen > 0
+    return timing
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, int(round(q * (len(ordered) - 1)))))]
+
+
+def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
+    ok = [t for t in timings if t.ok]
+    ttfts = [t.ttft for t in ok if t.ttft is not None]
+    itls = [x for t in ok for x in t.itls]
+    tokens = sum(t.tokens for t in ok)
+    return {
+        "requests": len(timings),
+        "failed": len(timings) - len(ok),
+        "errors": sorted({t.error for t in timings if not t.ok})[:5],
+        "ttft_p50_ms": ms(percentile(ttfts, 0.5)),
+        "ttft_p99_ms": ms(percentile(ttfts, 0.99)),
+        "itl_p50_ms": ms(percentile(itls, 0.5)),
+        "itl_p99_ms": ms(percentile(itls, 0.99)),
+        "tpot_mean_ms": ms(statistics.mean([(t.e2e - t.ttft) / max(1, t.tokens - 1) for t in ok if t.ttft])) if ok else None,
+        "output_tokens_per_s": tokens / wall_s if wall_s else None,
+        "output_tokens": tokens,
+        "wall_s": wall_s,
+    }
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 2)
+
+
+def write_results(stem: str, payload: dict, markdown: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    date = dt.date.today().isoformat()
+    (RESULTS / f"{date}-{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    path = RESULTS / f"{date}-{stem}.md"
+    path.write_text(markdown)
+    return path
+
+
+def machine() -> dict:
+    import platform
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+
+
+def timings_to_dicts(timings: list[RequestTiming]) -> list[dict]:
+    return [asdict(t) for t in timings]
