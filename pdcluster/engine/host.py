@@ -103,7 +103,14 @@ class EngineHost:
         async def pdcluster_info() -> dict[str, Any]:
             return self.info()
 
+        async def pdcluster_kv_failure(request_id: str) -> dict[str, Any]:
+            found = self.stats.kv_failure(request_id)
+            if found is None:
+                return {"request_id": request_id, "failure": None}
+            return {"request_id": found[0], "failure": found[1]}
+
         app.add_api_route("/pdcluster/info", pdcluster_info, methods=["GET"])
+        app.add_api_route("/pdcluster/kv_failure", pdcluster_kv_failure, methods=["GET"])
         return app
 
     def _note_async_scheduling(self, vllm_config) -> None:
@@ -129,6 +136,7 @@ class EngineHost:
             "engine_id": self.spec.engine_id,
             "role": self.spec.role,
             "url": self.url,
+            "healthy": self.engine is not None and not self.engine.errored,
             "model": self.spec.name,
             "async_scheduling": self.async_scheduling,
             "async_scheduling_reason": self.async_scheduling_reason,

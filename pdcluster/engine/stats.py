@@ -8,10 +8,13 @@ usage) plus running totals of speculative-decoding counters.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
+
+MAX_FAILURES = 1000
 
 
 @dataclass
@@ -55,6 +58,7 @@ class EngineStatsRecorder(StatLoggerBase):
     def __init__(self, vllm_config: Any = None, engine_index: int = 0):
         self._lock = threading.Lock()
         self._stats = EngineStats()
+        self._failures: OrderedDict[str, str] = OrderedDict()
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if scheduler_stats is None:
@@ -73,12 +77,25 @@ class EngineStatsRecorder(StatLoggerBase):
             kv = scheduler_stats.kv_connector_stats
             if kv:
                 for key, value in kv.items():
+                    if key == "failures":
+                        self._failures.update(value)
+                        while len(self._failures) > MAX_FAILURES:
+                            self._failures.popitem(last=False)
+                        continue
                     name = f"kv_{key}"
                     if hasattr(s, name):
                         setattr(s, name, getattr(s, name) + value)
 
     def log_engine_initialized(self) -> None:
         return
+
+    def kv_failure(self, request_id: str) -> tuple[str, str] | None:
+        """The latest KV pull failure of a request whose engine id contains `request_id`."""
+        with self._lock:
+            for engine_id in reversed(self._failures):
+                if request_id in engine_id:
+                    return engine_id, self._failures[engine_id]
+        return None
 
     def snapshot(self) -> EngineStats:
         with self._lock:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from pdcluster.errors import HandshakeError
+from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache
 from pdcluster.kv_transfer.leases import LeaseTable
 from pdcluster.kv_transfer.protocol import (
@@ -33,6 +34,7 @@ class KVProducer:
         *,
         max_chunk_bytes: int,
         lease_wait_s: float = 10.0,
+        faults: FaultInjector | None = None,
     ):
         self.cache = cache
         self.engine_id = engine_id
@@ -41,6 +43,7 @@ class KVProducer:
         self.leases = LeaseTable()
         self.max_chunk_bytes = max_chunk_bytes
         self.lease_wait_s = lease_wait_s
+        self.faults = faults or FaultInjector()
         self._gatherers: Pool[BlockGatherer] = Pool(lambda: BlockGatherer(cache, max_chunk_bytes))
         self.bytes_sent = 0
         self.pulls_served = 0
@@ -73,6 +76,8 @@ class KVProducer:
                 f"this producer's is {self.digest:#x}: handshake again"
             )
         self.cache.check_block_ids(block_ids)
+        if self.faults.should_stall_serving():
+            time.sleep(self.faults.serve_delay_s)  # injected fault: a stalled producer
         lease = self.leases.acquire(request_id, block_ids, self.lease_wait_s)
         started = time.perf_counter()
         sent = 0

@@ -22,25 +22,36 @@ COUNTERS = (
 )
 
 
+FAILURES = "failures"  # consumer request id -> why its pull failed (for the router's error)
+
+
 @dataclass
 class PDTransferStats(KVConnectorStats):
     def __post_init__(self) -> None:
         for key in COUNTERS:
             self.data.setdefault(key, 0)
+        self.data.setdefault(FAILURES, {})
 
     def add(self, key: str, value: float = 1) -> None:
         self.data[key] += value
 
+    def add_failure(self, request_id: str, reason: str) -> None:
+        self.data[FAILURES][request_id] = reason
+
     def reset(self) -> None:
         self.data = {key: 0 for key in COUNTERS}
+        self.data[FAILURES] = {}
 
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            if key == FAILURES:
+                self.data.setdefault(FAILURES, {}).update(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, Any]:
-        return dict(self.data)
+        return {key: value for key, value in self.data.items() if key != FAILURES}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())

@@ -118,6 +118,7 @@ class ConnectorWorker:
                 self.engine_id,
                 max_chunk_bytes=self.settings.max_chunk_bytes,
                 lease_wait_s=self.settings.lease_wait_s,
+                faults=self.settings.faults,
             )
             self.server = self._bind_server()
         if self.is_consumer:
@@ -205,6 +206,7 @@ class ConnectorWorker:
                 self.stats.add("pull_seconds", result.seconds)
             else:
                 self.stats.add("pulls_failed")
+                self.stats.add_failure(request_id, result.error)
                 failed.add(request_id)
         return sending, recving, failed
 
@@ -230,6 +232,8 @@ class ConnectorWorker:
                 f"this consumer has {self.tp_size}"
             )
         endpoint = remote.endpoints[self.tp_rank]
+        if self.settings.faults.should_dial_unreachable():
+            endpoint = "127.0.0.1:1"  # injected fault: nothing listens there
         with self._clients_lock:
             client = self._clients.get(endpoint)
             if client is None:

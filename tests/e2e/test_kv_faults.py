@@ -1,0 +1,106 @@
+"""KV handoff faults on the CPU cluster, injected through the config's fault_injection settings.
+
+recompute cluster: a share of pulls is dropped mid-transfer, dials an unreachable producer, or
+  times out against a stalled producer; every request still completes with the same greedy output
+  as an aggregated engine, and the prefill's blocks all come back.
+fail cluster: every pull fails and the failure policy is `fail`; half of the requests are
+  abandoned between prefill and decode (a client gone): failed requests get a clear error,
+  abandoned ones never get pulled, and the prefill's free blocks return to their starting value
+  once the leases expire.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdcluster.engine.spec import EngineSpec
+from tests.support.cluster import cluster_up, write_config
+from tests.support.engines import MODEL, run_engine
+from tests.support.prompts import token_prompt
+
+pytestmark = pytest.mark.e2e
+
+NAME = "tiny"
+PROMPTS = [token_prompt(150 + 40 * i, offset=311 * i) for i in range(16)]
+
+
+def prefill_stats(cluster) -> dict:
+    return next(r for r in cluster.status()["replicas"] if r["role"] == "prefill")["stats"]
+
+
+def decode_stats(cluster) -> dict:
+    return next(r for r in cluster.status()["replicas"] if r["role"] == "decode")["stats"]
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(1)  # engine stats reach status within a monitor interval
+    return value
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    spec = EngineSpec(role="aggregated", engine_id="faults-reference", model=str(MODEL), served_model_name=NAME,
+                      max_model_len=1024, engine_args={"enforce_eager": True}, kv_cache_gib=1,
+                      speculative={"method": "mtp", "num_speculative_tokens": 1})
+    with run_engine(spec, tmp_path_factory.mktemp("faults-ref")) as engine:
+        client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
+        return [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS]
+
+
+def test_recompute_policy_survives_dropped_unreachable_and_timed_out_pulls(tmp_path, reference):
+    config = write_config(
+        tmp_path / "recompute.yaml",
+        name="e2e-recompute",
+        kv_transfer={
+            "failure_policy": "recompute",
+            "lease_seconds": 6,
+            "pull_timeout_seconds": 1.5,
+            "fault_injection": {"pull_failure_rate": 0.25, "unreachable_rate": 0.25, "serve_delay_s": 3.0,
+                                "serve_delay_rate": 0.25, "seed": 7},
+        },
+    )
+    with cluster_up(tmp_path, config) as cluster:
+        client = openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key="unused", max_retries=0, timeout=120)
+        outputs = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS]
+        assert outputs == reference
+        stats = wait_for(lambda: (s := decode_stats(cluster))["kv_pulls_ok"] + s["kv_pulls_failed"] >= len(PROMPTS) and s, 30, "pull counters")
+        assert stats["kv_pulls_failed"] >= 4 and stats["kv_pulls_ok"] >= 2
+        # Every lease ends: released by the consumer, or expired when the release was lost.
+        wait_for(lambda: prefill_stats(cluster)["kv_cache_usage"] == 0.0, 60, "prefill blocks freed")
+
+
+def test_fail_policy_gives_clear_errors_and_leases_expire(tmp_path):
+    config = write_config(
+        tmp_path / "fail.yaml",
+        name="e2e-fail",
+        kv_transfer={"failure_policy": "fail", "lease_seconds": 5, "fault_injection": {"pull_failure_rate": 1.0}},
+        router={"fault_injection": {"abandon_after_prefill_rate": 0.5}},
+    )
+    with cluster_up(tmp_path, config) as cluster:
+        baseline = wait_for(lambda: (s := prefill_stats(cluster))["kv_cache_usage"] == 0.0 and s, 30, "idle prefill")
+        responses = []
+        with httpx.Client(base_url=cluster.endpoint, timeout=120) as http:
+            for prompt in PROMPTS[:10]:
+                responses.append(http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 8}))
+            streamed = http.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[11], "max_tokens": 8, "stream": True})
+        abandoned = [r for r in responses if r.status_code == 503]
+        failed = [r for r in responses if r.status_code != 503]
+        assert abandoned and failed
+        for r in abandoned:
+            assert r.json()["error"]["type"] == "fault_injection"
+        for r in failed:
+            assert r.status_code == 502, r.text
+            error = r.json()["error"]
+            assert error["type"] == "kv_transfer_error" and "failure_policy=fail" in error["message"]
+        assert "kv_transfer_error" in streamed.text or "fault_injection" in streamed.text
+        # Abandoned leases were never pulled; failed pulls released theirs: all blocks come back.
+        after = wait_for(lambda: (s := prefill_stats(cluster))["kv_cache_usage"] == 0.0 and s, 60, "lease expiry")
+        assert after["kv_leases_expired"] - baseline["kv_leases_expired"] >= len(abandoned)
