@@ -124,8 +124,17 @@ class Roles(_Model):
 class FaultInjection(_Model):
     pull_failure_rate: float = Field(0.0, ge=0, le=1, description="Fail this share of KV pulls.")
     drop_release_rate: float = Field(0.0, ge=0, le=1, description="Never release this share of leases.")
-    pull_delay_s: float = Field(0.0, ge=0, description="Stall each pull this long (timeouts).")
+    pull_delay_s: float = Field(0.0, ge=0, description="Decode: stall each pull this long.")
+    serve_delay_s: float = Field(0.0, ge=0, description="Prefill: stall before serving a pull (pull timeouts) ...")
+    serve_delay_rate: float = Field(1.0, ge=0, le=1, description="... for this share of pulls.")
+    unreachable_rate: float = Field(0.0, ge=0, le=1, description="Decode: dial a closed port instead of the prefill.")
     seed: int = Field(0, description="Seed of the fault dice.")
+
+
+class RouterFaultInjection(_Model):
+    abandon_after_prefill_rate: float = Field(
+        0.0, ge=0, le=1, description="Drop this share of requests between prefill and decode (a client gone)."
+    )
 
 
 class KVTransferSection(_Model):
@@ -189,6 +198,7 @@ class RouterSection(_Model):
     api_keys_file: str | None = Field(None, description="File with one API key per line.")
     request_timeout_seconds: float = Field(600, gt=0, description="Upper bound on one request.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
+    fault_injection: RouterFaultInjection = Field(default_factory=RouterFaultInjection, description="Tests/drills.")
 
 
 class RaySection(_Model):

@@ -22,6 +22,20 @@ from pdcluster.logs import setup_logging
 logger = logging.getLogger(__name__)
 
 
+def process_tree_rss() -> int:
+    """Resident memory of this process and its children (the engine's own processes)."""
+    import psutil
+
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for child in me.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            continue  # exited meanwhile
+    return total
+
+
 def node_ip() -> str:
     try:
         import ray
@@ -85,8 +99,10 @@ class EngineActor:
             "engine_id": self.spec.engine_id,
             "role": self.spec.role,
             "node": node_ip(),
+            "pid": os.getpid(),
             "stage": self.stage,
             "error": self.error,
+            "rss_bytes": process_tree_rss(),
         }
         if self.host is not None:
             base.update(self.host.info())

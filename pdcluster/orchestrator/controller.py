@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
 INFO_TIMEOUT_S = 10.0
+RESTART_WINDOW_S = 300
+MAX_RESTARTS_PER_WINDOW = 5
 
 
 def controller_name(cluster: str) -> str:
@@ -136,6 +138,7 @@ class Controller:
         self.config = ClusterConfig.model_validate_json(config_json)
         self._secret = secret
         self._retired: list[Replica] = []
+        self._restarts: dict[str, list[float]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self._counters = {role: itertools.count() for role in self.pools}
         self.router = None
@@ -162,6 +165,7 @@ class Controller:
             max_body_bytes=cfg.router.max_body_bytes,
             max_model_len=cfg.model.max_model_len,
             tokenizer_path=cfg.model.tokenizer or cfg.model.path,
+            abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
         )
         self.router = ray.remote(RouterActor).options(
             name=f"{cfg.name}-router", num_cpus=0, max_concurrency=1000
@@ -248,15 +252,45 @@ class Controller:
             for replica, ref in zip(live, refs):
                 try:
                     replica.info = await asyncio.wait_for(ref, INFO_TIMEOUT_S)
+                    problem = None if replica.info.get("healthy", True) else "engine died"
                 except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
-                    if replica.state == ReplicaState.READY:
-                        replica.error = f"unreachable: {type(exc).__name__}"
-                        replica.stage = "dead"
-                        replica.set_state(ReplicaState.DEAD)
-                        logger.error("replica %s is dead: %s", replica.replica_id, exc)
+                    problem = f"unreachable: {type(exc).__name__}"
+                if problem and replica.state == ReplicaState.READY:
+                    replica.error = problem
+                    replica.stage = "dead"
+                    replica.set_state(ReplicaState.DEAD)
+                    logger.error("replica %s is dead: %s", replica.replica_id, problem)
+                    self._replace(replica)
             await self._publish()
             self._changed.clear()
             await asyncio.sleep(MONITOR_INTERVAL_S)  # polling interval of the health monitor
+
+    def _replace(self, dead: Replica) -> None:
+        """A serving replica died: retire it (its actor is killed) and start a replacement,
+        unless the pool is already at its configured size or restarts are looping."""
+        import ray
+
+        if self._stopping:
+            return
+        pool = self.pools[dead.role]
+        if dead in pool:
+            pool.remove(dead)
+            self._retired.append(dead)
+        if dead.actor is not None:
+            ray.kill(dead.actor, no_restart=True)  # also takes down a hung engine
+            dead.actor = None
+        now = time.monotonic()
+        recent = [t for t in self._restarts[dead.role] if now - t < RESTART_WINDOW_S]
+        self._restarts[dead.role] = recent
+        active = [r for r in pool if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
+        if len(active) >= self.config.role(dead.role).replicas:
+            return
+        if len(recent) >= MAX_RESTARTS_PER_WINDOW:
+            logger.error("not restarting %s: %d restarts in the last %d s", dead.role, len(recent), RESTART_WINDOW_S)
+            return
+        self._restarts[dead.role].append(now)
+        replacement = self._add_replica(dead.role)
+        logger.warning("replica %s died; starting %s", dead.replica_id, replacement.replica_id)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """True once every replica started (ready or dead) and the router can serve."""
@@ -361,13 +395,16 @@ class Controller:
                         "async_scheduling": info.get("async_scheduling"),
                         "async_scheduling_reason": info.get("async_scheduling_reason", ""),
                         "kv_backend": self.config.kv_transfer.backend if r.role != "aggregated" else None,
+                        "rss_bytes": info.get("rss_bytes"),
                         "stats": stats,
                         "transitions": r.transitions,
                     }
                 )
+        router_rss = await self.router.rss_bytes.remote() if self.router is not None else None
         return {
             "name": self.config.name,
             "endpoint": self.endpoint,
+            "router_rss_bytes": router_rss,
             "mode": self.config.mode,
             "model": self.config.model.served_name,
             "speculative": self.config.speculative.vllm_config() if self.config.speculative else None,

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import hmac
 import json
 import logging
+import random
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +53,7 @@ class RouterSettings:
     max_model_len: int | None = None
     tokenizer_path: str | None = None
     phase_attempts: int = 3
+    abandon_after_prefill_rate: float = 0.0  # fault injection (router.fault_injection)
 
 
 def error_response(status: int, message: str, err_type: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -72,6 +76,14 @@ class BadRequest(Exception):
         return error_response(self.status, str(self), self.err_type, self.code, self.param)
 
 
+class ReplicaUnreachable(Exception):
+    """No response came back from a replica (connection refused/reset before an answer)."""
+
+    def __init__(self, replica_id: str, detail: str):
+        super().__init__(f"replica {replica_id} unreachable: {detail}")
+        self.replica_id = replica_id
+
+
 class Router:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
@@ -80,6 +92,7 @@ class Router:
         self.engine_rows: list[dict[str, Any]] = []
         self.metrics = RouterMetrics(lambda: self.engine_rows)
         self._keys = [k.encode() for k in settings.api_keys]
+        self._faults = random.Random(0)
         self._tokenizer = None
         self.http: httpx.AsyncClient | None = None
         self.app = self._build_app()
@@ -303,26 +316,48 @@ class Router:
         except PDClusterError as exc:
             self.metrics.requests.labels(kind, "upstream_error").inc()
             return error_response(exc.http_status, str(exc), exc.error_type)
+        except httpx.TimeoutException as exc:
+            self.metrics.requests.labels(kind, "timeout").inc()
+            return error_response(504, f"upstream replica timed out: {type(exc).__name__}", "timeout")
+        except httpx.HTTPError as exc:
+            self.metrics.requests.labels(kind, "upstream_error").inc()
+            return error_response(502, f"upstream replica failed: {type(exc).__name__}: {exc}", "upstream_error")
 
-    async def _post_phase(self, role: str, path: str, body: dict[str, Any], tokens: int) -> tuple[ReplicaLoad, httpx.Response]:
-        """Non-streamed call to a replica of `role`, retried on another one if unreachable."""
+    async def _send(self, replica: ReplicaLoad, path: str, body: dict[str, Any], stream: bool, request_id: str) -> httpx.Response:
+        """POST to one replica; ReplicaUnreachable when no answer came back (nothing was sent
+        to the client yet, so the caller may retry elsewhere)."""
         assert self.http is not None
+        headers = {"X-Request-Id": request_id}
+        try:
+            if stream:
+                request = self.http.build_request("POST", replica.url + path, json=body, headers=headers)
+                return await self.http.send(request, stream=True)
+            return await self.http.post(replica.url + path, json=body, headers=headers)
+        except CONNECT_ERRORS as exc:
+            logger.warning("%s replica %s unreachable: %s", replica.role, replica.replica_id, exc)
+            raise ReplicaUnreachable(replica.replica_id, str(exc)) from exc
+
+    async def _prefill(self, path: str, body: dict[str, Any], tokens: int, request_id: str) -> tuple[ReplicaLoad, httpx.Response]:
+        """The prefill phase, retried on another prefill replica if one is unreachable."""
         tried: set[str] = set()
-        last: Exception | None = None
         for attempt in range(self.settings.phase_attempts):
-            replica = self.policy.choose(list(self.replicas.values()), role, exclude=tried)
+            replica = self.policy.choose(list(self.replicas.values()), "prefill", exclude=tried)
             tried.add(replica.replica_id)
             self._enter(replica, tokens)
+            started = time.perf_counter()
             try:
-                return replica, await self.http.post(replica.url + path, json=body)
-            except CONNECT_ERRORS as exc:
-                last = exc
-                logger.warning("%s replica %s unreachable (%s); trying another", role, replica.replica_id, exc)
+                response = await self._send(replica, path, body, stream=False, request_id=request_id)
+            except ReplicaUnreachable:
                 if attempt + 1 < self.settings.phase_attempts:
-                    self.metrics.retries.labels(role).inc()
+                    self.metrics.retries.labels("prefill").inc()
+                continue
             finally:
                 self._leave(replica, tokens)
-        raise ReplicaError(f"no {role} replica could take the request: {last}")
+            elapsed = time.perf_counter() - started
+            self.metrics.prefill.observe(elapsed)
+            self.metrics.window(replica.replica_id).phase.add(elapsed)
+            return replica, response
+        raise ReplicaError(f"no prefill replica could take the request after {len(tried)} attempts")
 
     def _enter(self, replica: ReplicaLoad, tokens: int) -> None:
         replica.inflight_requests += 1
@@ -334,8 +369,7 @@ class Router:
         replica.inflight_prompt_tokens -= tokens
         self.metrics.inflight.labels(replica.replica_id, replica.role).set(replica.inflight_requests)
 
-    async def _disaggregated(self, body: dict[str, Any], kind: str, tokens: int, started: float) -> Response:
-        path = ENDPOINTS[kind]
+    def _prefill_body(self, body: dict[str, Any], kind: str) -> dict[str, Any]:
         prefill_body = copy.deepcopy(body)
         prefill_body.update(stream=False, kv_transfer_params={"do_remote_decode": True})
         prefill_body["max_tokens"] = 1
@@ -343,62 +377,123 @@ class Router:
             prefill_body["max_completion_tokens"] = 1
         for key in ("stream_options", "logprobs", "top_logprobs", "echo"):
             prefill_body.pop(key, None)
-        p_started = time.perf_counter()
-        prefill, p_resp = await self._post_phase("prefill", path, prefill_body, tokens)
-        p_elapsed = time.perf_counter() - p_started
-        self.metrics.prefill.observe(p_elapsed)
-        self.metrics.window(prefill.replica_id).phase.add(p_elapsed)
-        if p_resp.status_code != 200:
-            self.metrics.requests.labels(kind, "client_error" if p_resp.status_code < 500 else "upstream_error").inc()
-            return Response(p_resp.content, status_code=p_resp.status_code, media_type="application/json")
-        params = p_resp.json().get("kv_transfer_params")
-        if not params:
-            raise ReplicaError(f"prefill replica {prefill.replica_id} returned no kv_transfer_params")
-        decode_body = dict(body)
-        decode_body["kv_transfer_params"] = params
-        return await self._relay("decode", path, decode_body, kind, tokens, started)
+        return prefill_body
+
+    async def _disaggregated(self, body: dict[str, Any], kind: str, tokens: int, started: float) -> Response:
+        """Prefill, then decode; a decode replica that cannot be reached before it answered is
+        excluded and the request is prefilled again for another one (its old lease expires)."""
+        path = ENDPOINTS[kind]
+        prefill_body = self._prefill_body(body, kind)
+        excluded: set[str] = set()
+        for attempt in range(self.settings.phase_attempts):
+            request_id = uuid.uuid4().hex
+            prefill, p_resp = await self._prefill(path, prefill_body, tokens, request_id)
+            if p_resp.status_code != 200:
+                self.metrics.requests.labels(kind, "client_error" if p_resp.status_code < 500 else "upstream_error").inc()
+                return Response(p_resp.content, status_code=p_resp.status_code, media_type="application/json")
+            params = p_resp.json().get("kv_transfer_params")
+            if not params:
+                raise ReplicaError(f"prefill replica {prefill.replica_id} returned no kv_transfer_params")
+            if self._faults.random() < self.settings.abandon_after_prefill_rate:
+                # Injected fault: the client is gone between phases; nobody pulls this KV.
+                self.metrics.requests.labels(kind, "abandoned").inc()
+                return error_response(503, "injected fault: request abandoned after prefill", "fault_injection")
+            decode_body = dict(body)
+            decode_body["kv_transfer_params"] = params
+            decode = self.policy.choose(list(self.replicas.values()), "decode", exclude=excluded)
+            explain = functools.partial(self._kv_failure, prefill, decode, request_id)
+            try:
+                return await self._deliver(
+                    decode, path, decode_body, kind, tokens, started, request_id, explain,
+                    served_by={"prefill": prefill.replica_id},
+                )
+            except ReplicaUnreachable:
+                excluded.add(decode.replica_id)
+                self.metrics.retries.labels("decode").inc()
+        raise ReplicaError(f"no decode replica could take the request after {attempt + 1} attempts")
 
     async def _single(self, body: dict[str, Any], kind: str, tokens: int, started: float) -> Response:
-        return await self._relay("aggregated", ENDPOINTS[kind], body, kind, tokens, started)
+        excluded: set[str] = set()
+        for _ in range(self.settings.phase_attempts):
+            replica = self.policy.choose(list(self.replicas.values()), "aggregated", exclude=excluded)
+            try:
+                return await self._deliver(replica, ENDPOINTS[kind], body, kind, tokens, started, uuid.uuid4().hex)
+            except ReplicaUnreachable:
+                excluded.add(replica.replica_id)
+                self.metrics.retries.labels("aggregated").inc()
+        raise ReplicaError(f"no replica could take the request after {len(excluded)} attempts")
 
-    async def _relay(self, role: str, path: str, body: dict[str, Any], kind: str, tokens: int, started: float) -> Response:
-        """Send the request to a `role` replica and relay its answer (stream or JSON)."""
+    async def _kv_failure(self, prefill: ReplicaLoad, decode: ReplicaLoad, request_id: str) -> JSONResponse | None:
+        """If the decode replica failed this request because its KV pull failed (failure policy
+        `fail`), the OpenAI error that says so; None when that was not the cause."""
         assert self.http is not None
-        if not body.get("stream"):
-            replica, resp = await self._post_phase(role, path, body, tokens)
-            elapsed = time.perf_counter() - started
-            self.metrics.e2e.observe(elapsed)
-            outcome = "ok" if resp.status_code == 200 else ("client_error" if resp.status_code < 500 else "upstream_error")
-            self.metrics.requests.labels(kind, outcome).inc()
-            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        try:
+            answer = await self.http.get(decode.url + "/pdcluster/kv_failure", params={"request_id": request_id}, timeout=5)
+            reason = answer.json().get("failure") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not reason:
+            return None
+        return error_response(
+            502,
+            f"KV handoff from {prefill.replica_id} to {decode.replica_id} failed and "
+            f"kv_transfer.failure_policy=fail: {reason}",
+            "kv_transfer_error",
+        )
 
-        replica = self.policy.choose(list(self.replicas.values()), role)
+    async def _deliver(
+        self, replica: ReplicaLoad, path: str, body: dict[str, Any], kind: str, tokens: int, started: float,
+        request_id: str, explain: Callable[[], Awaitable[JSONResponse | None]] | None = None,
+        served_by: dict[str, str] | None = None,
+    ) -> Response:
+        """Send the request to the replica that produces the answer and relay it (stream or JSON).
+
+        `served_by` becomes response headers naming the replicas (X-PDCluster-Prefill, ...)."""
+        stream = bool(body.get("stream"))
+        headers = {f"X-PDCluster-{role.capitalize()}": rid for role, rid in (served_by or {}).items()}
+        headers[f"X-PDCluster-{replica.role.capitalize()}"] = replica.replica_id
         self._enter(replica, tokens)
         try:
-            upstream = await self.http.send(
-                self.http.build_request("POST", replica.url + path, json=body), stream=True
-            )
-        except CONNECT_ERRORS as exc:
+            upstream = await self._send(replica, path, body, stream, request_id)
+        except ReplicaUnreachable:
             self._leave(replica, tokens)
-            raise ReplicaError(f"{role} replica {replica.replica_id} unreachable: {exc}") from exc
+            raise
+        if not stream:
+            self._leave(replica, tokens)
+            self.metrics.e2e.observe(time.perf_counter() - started)
+            if upstream.status_code >= 500 and explain is not None and (clear := await explain()) is not None:
+                self.metrics.requests.labels(kind, "kv_transfer_error").inc()
+                return clear
+            outcome = "ok" if upstream.status_code == 200 else ("client_error" if upstream.status_code < 500 else "upstream_error")
+            self.metrics.requests.labels(kind, outcome).inc()
+            return Response(upstream.content, status_code=upstream.status_code, media_type="application/json", headers=headers)
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
             self._leave(replica, tokens)
             self.metrics.requests.labels(kind, "client_error" if upstream.status_code < 500 else "upstream_error").inc()
-            return Response(content, status_code=upstream.status_code, media_type="application/json")
-        return StreamingResponse(
-            self._stream(upstream, replica, tokens, kind, started),
+            return Response(content, status_code=upstream.status_code, media_type="application/json", headers=headers)
+        relay = _Relay(self, upstream, replica, tokens, kind, started)
+        return RelayResponse(
+            self._stream(upstream, replica, relay, started, explain),
+            relay,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            headers={"Cache-Control": "no-cache", **headers},
         )
 
-    async def _stream(self, upstream: httpx.Response, replica: ReplicaLoad, tokens: int, kind: str, started: float) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, upstream: httpx.Response, replica: ReplicaLoad, relay: _Relay, started: float,
+        explain: Callable[[], Awaitable[JSONResponse | None]] | None = None,
+    ) -> AsyncIterator[bytes]:
         window = self.metrics.window(replica.replica_id)
         last_token: float | None = None
-        outcome = "ok"
         try:
             async for line in upstream.aiter_lines():
+                if line.startswith('data: {"error"') and explain is not None:
+                    relay.outcome = "upstream_error"
+                    if (clear := await explain()) is not None:
+                        relay.outcome = "kv_transfer_error"
+                        line = "data: " + clear.body.decode()
                 if line.startswith("data: ") and _has_token(line):
                     now = time.perf_counter()
                     if last_token is None:
@@ -412,18 +507,52 @@ class Router:
                     last_token = now
                 yield (line + "\n").encode()
         except (httpx.HTTPError, OSError) as exc:
-            outcome = "upstream_error"
+            relay.outcome = "upstream_error"
             logger.error("stream from %s broke: %s", replica.replica_id, exc)
             error = {"error": {"message": f"upstream replica {replica.replica_id} failed mid-stream: {exc}", "type": "upstream_error", "code": 502}}
             yield f"data: {json.dumps(error)}\n\n".encode()
         except asyncio.CancelledError:
-            outcome = "cancelled"  # client went away; closing upstream aborts the engine request
+            relay.outcome = "cancelled"  # client went away; closing upstream aborts the engine request
             raise
         finally:
-            await upstream.aclose()
-            self._leave(replica, tokens)
-            self.metrics.e2e.observe(time.perf_counter() - started)
-            self.metrics.requests.labels(kind, outcome).inc()
+            await relay.close()
+
+
+class _Relay:
+    """Cleanup of one relayed stream, run exactly once however the response ends: normally,
+    on a broken upstream, on a client disconnect mid-stream, or before the first byte."""
+
+    def __init__(self, router: Router, upstream: httpx.Response, replica: ReplicaLoad, tokens: int, kind: str, started: float):
+        self.router, self.upstream, self.replica = router, upstream, replica
+        self.tokens, self.kind, self.started = tokens, kind, started
+        self.outcome = "ok"
+        self._closed = False
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.upstream.aclose()  # closing upstream aborts the engine's request
+        finally:
+            self.router._leave(self.replica, self.tokens)
+            self.router.metrics.e2e.observe(time.perf_counter() - self.started)
+            self.router.metrics.requests.labels(self.kind, self.outcome).inc()
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that always runs its relay's cleanup, even when the client is gone
+    before the body iterator ever started (an unstarted generator never runs its `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], relay: _Relay, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.relay = relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
 
 
 def _has_token(line: str) -> bool:
@@ -461,6 +590,11 @@ class RouterActor:
 
     def latency(self) -> dict[str, Any]:
         return self.router.latency()
+
+    def rss_bytes(self) -> int:
+        from pdcluster.engine.actor import process_tree_rss
+
+        return process_tree_rss()
 
     async def stop(self) -> None:
         await self.router.stop()

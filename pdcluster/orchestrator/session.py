@@ -93,7 +93,10 @@ def start_local_head(num_cpus: int | None, log_path: Path) -> tuple[str, int]:
         cmd.append(f"--num-cpus={num_cpus}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+    # Ray runs worker processes at nice 15 by default; our workers *are* the service (router,
+    # engines), so they run at normal priority, like Ray's own job supervisor arranges for jobs.
+    env = dict(os.environ, RAY_worker_niceness="0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + HEAD_START_TIMEOUT_S

@@ -1,0 +1,342 @@
+"""Faults, bad input and security against a running CPU cluster (2 prefill + 2 decode).
+
+Replicas are killed for real (SIGKILL of the actor process, as a crash would); the router must
+retry what it can, report what it cannot, and the controller must replace the dead replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
+from pdcluster.protos import kv_transfer_pb2 as pb
+from tests.support.cluster import cli, cluster_up, write_config
+from tests.support.prompts import heldout_prompts, token_prompt
+
+pytestmark = pytest.mark.e2e
+
+NAME = "tiny"
+SECRET = "reliability-secret-7f3a9c"
+LEASE_S = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("reliability")
+    (home / "secret").write_text(SECRET)
+    config = write_config(
+        home / "cluster.yaml",
+        name="e2e-rel",
+        roles={"prefill": {"replicas": 2}, "decode": {"replicas": 2}},
+        model={"max_model_len": 4096},  # room for streams long enough to be killed mid-way
+        kv_transfer={"secret_file": str(home / "secret"), "lease_seconds": LEASE_S},
+        router={"max_body_bytes": 1 << 20},
+    )
+    with cluster_up(home, config) as running:
+        yield running
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def kill(cluster):
+    """Crash a replica: SIGKILL its actor process (looked up first, so the kill lands at once)."""
+    import ray
+
+    session = json.loads((cluster.home / f"{cluster.name}.json").read_text())
+    ray.init(address=session["ray_address"], namespace=session["namespace"], log_to_driver=False)
+
+    def pid_of(replica: str) -> int:
+        return ray.get(ray.get_actor(f"{cluster.name}-{replica}").info.remote(), timeout=60)["pid"]
+
+    def crash(pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+
+    yield SimpleNamespace(pid_of=pid_of, crash=crash)
+    ray.shutdown()
+
+
+def wait_status(cluster, predicate, timeout_s: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = cluster.status()
+        if predicate(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {json.dumps(status['replicas'], default=str)[:2000]}")
+        time.sleep(1)  # status is polled; the controller publishes changes within a second
+
+
+def inflight(cluster, replica: str) -> float:
+    """The router's in-flight count for a replica, from /metrics (cheap to poll)."""
+    text = httpx.get(cluster.endpoint + "/metrics", timeout=10).text
+    match = re.search(rf'pdcluster_replica_inflight\{{replica="{replica}",role="\w+"\}} (\S+)', text)
+    return float(match.group(1)) if match else 0.0
+
+
+def ready(status, role) -> list[str]:
+    return sorted(r["replica"] for r in status["replicas"] if r["role"] == role and r["state"] == "ready")
+
+
+def stream_text(client, prompt, max_tokens):
+    stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    return "".join(c.choices[0].text for c in stream if c.choices)
+
+
+# -- replicas dying ------------------------------------------------------------------------
+
+
+def test_killed_prefill_is_retried_elsewhere_and_replaced(cluster, client, kill):
+    before = cluster.status()
+    assert ready(before, "prefill") == ["prefill-0", "prefill-1"]
+    prompts = [token_prompt(900, offset=97 * i) for i in range(16)]
+    pid = kill.pid_of("prefill-0")
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(stream_text, client, p, 8) for p in prompts]
+        deadline = time.monotonic() + 60
+        while inflight(cluster, "prefill-0") == 0:  # the kill must land mid-flight
+            assert time.monotonic() < deadline, "no request reached prefill-0"
+            time.sleep(0.05)  # poll interval
+        kill.crash(pid)
+        results = [f.result() for f in futures]
+    assert all(results)  # every request was served (retried on prefill-1 if needed)
+    status = wait_status(cluster, lambda s: len(ready(s, "prefill")) == 2, 300, "a replacement prefill replica")
+    assert "prefill-0" not in ready(status, "prefill")
+    dead = [r for r in status["retired"] if r["replica"] == "prefill-0"]
+    assert dead and dead[0]["transitions"][-1][1] == "dead"
+    assert stream_text(client, heldout_prompts()[0], 8)
+
+
+def test_killed_decode_ends_its_streams_with_an_error_and_is_replaced(cluster, client, kill):
+    status = wait_status(cluster, lambda s: len(ready(s, "decode")) == 2, 300, "two decode replicas")
+    victim, survivor = ready(status, "decode")
+    victim_pid = kill.pid_of(victim)
+    assert inflight(cluster, victim) == inflight(cluster, survivor) == 0  # nothing leaked so far
+    victim_streaming = threading.Event()
+    t_start = time.monotonic()
+    outcomes: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def long_stream(i):
+        body = {"model": NAME, "prompt": heldout_prompts()[i], "max_tokens": 3500, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        outcome = "incomplete"
+        with httpx.Client(base_url=cluster.endpoint, timeout=300) as http, http.stream("POST", "/v1/completions", json=body) as response:
+            served_by = response.headers["x-pdcluster-decode"]
+            if served_by == victim:
+                victim_streaming.set()  # its stream has begun: the decode engine is generating
+            lines = 0
+            for line in response.iter_lines():
+                lines += line.startswith("data: ")
+                if line.startswith('data: {"error"'):
+                    outcome = "error: " + line
+                elif line == "data: [DONE]" and outcome == "incomplete":
+                    outcome = "complete"
+        with lock:
+            outcomes.append((served_by, outcome, lines, round(time.monotonic() - t_start, 2)))
+
+    # Six streams alternate between the two decode replicas (least loaded); the victim is
+    # killed as soon as one of its streams begins (3500 tokens each: none is done by then).
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(long_stream, i) for i in range(6)]
+        assert victim_streaming.wait(timeout=120), "no stream reached the victim"
+        kill.crash(victim_pid)
+        killed_at = round(time.monotonic() - t_start, 2)
+        for f in futures:
+            f.result(timeout=300)  # nothing hangs
+    # Every stream on the killed replica ended with an error event; every other one completed.
+    assert len(outcomes) == 6 and any(replica == victim for replica, *_ in outcomes)
+    for replica, outcome, *_ in outcomes:
+        if replica == victim:
+            assert outcome.startswith("error") and f"upstream replica {victim} failed mid-stream" in outcome, (killed_at, outcomes)
+        else:
+            assert outcome == "complete", outcomes
+    # New requests are served by the survivor while the replacement starts.
+    assert all(stream_text(client, p, 8) for p in heldout_prompts()[10:14])
+    status = wait_status(cluster, lambda s: len(ready(s, "decode")) == 2, 300, "a replacement decode replica")
+    assert victim not in ready(status, "decode")
+
+
+def test_client_disconnect_aborts_the_decode_request(cluster):
+    body = {"model": NAME, "prompt": heldout_prompts()[3], "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.endpoint, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith("data: ")
+                if events >= 5:
+                    break  # the client goes away mid-stream
+    status = wait_status(
+        cluster,
+        lambda s: all(r["running"] == 0 and r["kv_cache_usage"] == 0.0 for r in s["replicas"] if r["role"] == "decode"),
+        30, "decode engines to abort the request and free its blocks",
+    )
+    assert all(r["inflight"] == 0 for r in status["replicas"])
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def post(cluster, path, content=None, json_body=None, headers=None):
+    with httpx.Client(base_url=cluster.endpoint, timeout=60) as http:
+        return http.post(path, content=content, json=json_body, headers=headers)
+
+
+def assert_openai_error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b'{"model": "tiny", "prompt": "x",', 400, "not valid JSON"),
+        (b"\xff\xfe{}", 400, "UTF-8"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "does not exist"),
+        (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -5}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 10**9}).encode(), 400, "context length"),
+        (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "ten"}).encode(), 400, "integer"),
+        (json.dumps({"model": "tiny", "prompt": ""}).encode(), 400, "empty"),
+        (json.dumps({"model": "tiny", "prompt": "x", "stream": "yes"}).encode(), 400, "boolean"),
+        (json.dumps({"model": "tiny", "prompt": "x", "n": 3}).encode(), 400, "'n'"),
+        (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"model": "tiny", "prompt": "x", "kv_transfer_params": {}}).encode(), 400, "kv_transfer_params"),
+        (json.dumps({"model": "tiny", "prompt": "word " * 9000}).encode(), 400, "context"),
+    ],
+)
+def test_bad_input_gets_openai_error(cluster, body, status, needle):
+    response = post(cluster, "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_openai_error(response, status)
+    assert needle.lower() in response.text.lower()
+
+
+def test_huge_body_is_refused_and_cluster_keeps_serving(cluster, client):
+    response = post(cluster, "/v1/completions", content=b"x" * (50 << 20), headers={"content-type": "application/json"})
+    assert_openai_error(response, 413)
+    chat = post(cluster, "/v1/chat/completions", json_body={"model": NAME, "messages": "hello"})
+    assert_openai_error(chat, 400)
+    assert client.completions.create(model=NAME, prompt="import sys\n", max_tokens=4).choices[0].text is not None
+
+
+def test_missing_max_tokens_uses_the_default(cluster):
+    response = post(cluster, "/v1/completions", json_body={"model": NAME, "prompt": "import os\n"})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=8,
+)
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from([NAME, NAME, "other", 3, None]),
+        "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 5000), max_size=8), json_values),
+        "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]), "content": st.text(max_size=20)}), max_size=3), json_values),
+        "max_tokens": st.one_of(st.integers(-3, 40), json_values),
+        "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), json_values),
+        "top_p": st.one_of(st.floats(-1, 2, allow_nan=False), json_values),
+        "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=3), json_values),
+        "stream": st.one_of(st.booleans(), json_values),
+        "logprobs": json_values,
+        "seed": json_values,
+        "unknown_field": json_values,
+    },
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=fields, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_fuzzed_requests_never_get_5xx(cluster, body, path):
+    with httpx.Client(base_url=cluster.endpoint, timeout=60) as http:
+        response = http.post(path, json=body)
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            lines = list(response.iter_lines())
+            assert not any('"code": 5' in line for line in lines), lines[-3:]
+    assert response.status_code < 500, (body, response.text[:500])
+
+
+# -- security ------------------------------------------------------------------------------
+
+
+def _prefill_params(cluster) -> dict:
+    prefill_url = next(r["url"] for r in cluster.status()["replicas"] if r["role"] == "prefill" and r["state"] == "ready")
+    body = {"model": NAME, "prompt": "secret prompt content", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    return httpx.post(prefill_url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+
+
+def test_kv_endpoint_refuses_raw_client_without_secret(cluster):
+    params = _prefill_params(cluster)
+    assert params["remote_host"] == "127.0.0.1"
+    with grpc.insecure_channel(f"{params['remote_host']}:{params['remote_port']}") as channel:
+        pull = channel.unary_stream("/pdcluster.kv.v1.KVTransfer/Pull", request_serializer=pb.PullRequest.SerializeToString,
+                                    response_deserializer=pb.KVChunk.FromString)
+        request = pb.PullRequest(protocol_version=PROTOCOL_VERSION, request_id=params["remote_request_id"],
+                                 block_ids=params["remote_block_ids"])
+        received = []
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in pull(request, timeout=10):
+                received.append(chunk)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert received == []
+
+
+def _listening(port: int) -> set[str]:
+    addresses = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:
+                addresses.add(address)
+    return addresses
+
+
+def test_internal_ports_bind_to_the_configured_address(cluster):
+    # 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes it for a v4-mapped dual-stack
+    # socket (gRPC binds that way); a wildcard bind would show up as 00000000 or ::.
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
+    status = cluster.status()
+    ports = [int(r["url"].rsplit(":", 1)[1]) for r in status["replicas"] if r["url"]]
+    ports.append(int(cluster.endpoint.rsplit(":", 1)[1]))
+    ports.append(int(_prefill_params(cluster)["remote_port"]))
+    for port in ports:
+        addresses = _listening(port)
+        assert addresses and addresses <= loopback, (port, addresses)
+
+
+def test_no_secret_in_status_or_logs(cluster):
+    assert SECRET not in cli(cluster.home, "status", "--json", "--name", cluster.name).stdout
+    assert SECRET not in cli(cluster.home, "status", "--name", cluster.name).stdout
+    logs = list(Path("/tmp/ray/session_latest/logs").glob("*")) + list((cluster.home / "logs").glob("*"))
+    assert logs
+    for path in logs:
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_api_metrics_count_outcomes(cluster):
+    text = httpx.get(cluster.endpoint + "/metrics", timeout=30).text
+    assert re.search(r'pdcluster_requests_total\{endpoint="completions",outcome="client_error"\} [1-9]', text)
+    assert re.search(r'pdcluster_retries_total\{role="(prefill|decode)"\} [1-9]', text)
