@@ -58,9 +58,45 @@ def request_amx_permission() -> bool:
     return True
 
 
+NIXL_CPU_TUNING_ENV = "PDCLUSTER_NIXL_CPU_TUNING"
+
+
+def tune_nixl_for_cpu() -> None:
+    """Run vLLM's NixlConnector the tuned way on CPU (the baseline of bench/serve.py).
+
+    Opt-in (PDCLUSTER_NIXL_CPU_TUNING=1) and used for nothing else: on a small CPU host stock
+    NIXL busy-polls a UCX progress thread (~1 core per engine) and pins each worker's model
+    thread to the last core of its NUMA node, whatever VLLM_CPU_OMP_THREADS_BIND says.
+    """
+    import functools
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    make_config = base_worker.nixl_agent_config
+    if make_config is not None and not getattr(make_config, "_pdcluster_tuned", False):
+        tuned = functools.partial(make_config, enable_prog_thread=False)
+        tuned._pdcluster_tuned = True  # type: ignore[attr-defined]
+        base_worker.nixl_agent_config = tuned
+    worker_cls = base_worker.NixlBaseConnectorWorker
+    original_init = worker_cls.__init__
+    if getattr(original_init, "_pdcluster_tuned", False):
+        return
+
+    @functools.wraps(original_init)
+    def init_keeping_affinity(self, *args, **kwargs):
+        cpus = os.sched_getaffinity(0)
+        original_init(self, *args, **kwargs)
+        os.sched_setaffinity(0, cpus)
+
+    init_keeping_affinity._pdcluster_tuned = True  # type: ignore[attr-defined]
+    worker_cls.__init__ = init_keeping_affinity
+
+
 def register() -> None:
     """Entry point named in pyproject.toml (`vllm.general_plugins`)."""
     from pdcluster.logs import setup_logging
 
     setup_logging()  # our connector logs from vLLM's engine processes too
     request_amx_permission()
+    if os.environ.get(NIXL_CPU_TUNING_ENV) == "1":
+        tune_nixl_for_cpu()

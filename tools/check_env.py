@@ -13,7 +13,7 @@ import sys
 REQUIRED = [
     "vllm", "torch", "transformers", "transformers.models.qwen2", "ray", "grpc",
     "google.protobuf", "pydantic", "yaml", "fastapi", "uvicorn", "httpx", "prometheus_client",
-    "tokenizers", "safetensors", "openai", "pytest", "hypothesis", "pdcluster",
+    "tokenizers", "safetensors", "openai", "pytest", "hypothesis", "matplotlib", "psutil", "pdcluster",
 ]
 # Installed beside torch+cpu, these break `transformers` imports (torchvision::nms missing).
 FORBIDDEN = ["torchvision", "torchaudio", "torchcodec"]
