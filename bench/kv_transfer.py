@@ -34,7 +34,7 @@ from pdcluster.kv_transfer.producer import KVProducer  # noqa: E402
 from pdcluster.kv_transfer.protocol import DEFAULT_CHUNK_BYTES  # noqa: E402
 from pdcluster.kv_transfer.staging import BlockGatherer, BlockScatterer  # noqa: E402
 from pdcluster.kv_transfer.transports import create_transport  # noqa: E402
-from pdcluster.kv_transfer.transports.base import TransportSettings  # noqa: E402
+from pdcluster.kv_transfer.transports.base import CacheSink, TransportSettings  # noqa: E402
 
 SECRET = "bench-secret"
 
@@ -202,6 +202,7 @@ def run_pulls(args, address: str, raw_address: str | None, num_blocks: int, requ
     client = transport.connect(address)
     client.handshake(local.layout, "bench-decode")
     scatterer = BlockScatterer(local, args.chunk_bytes)
+    sink = CacheSink(scatterer)
 
     rows = []
     for tokens in args.tokens:
@@ -216,7 +217,7 @@ def run_pulls(args, address: str, raw_address: str | None, num_blocks: int, requ
             cpu_start = cpu_seconds() + producer.recv()
             t0 = time.perf_counter()
             scatterer.begin(dst_ids)
-            got = client.pull(request_id, src_ids, scatterer.write, engine_id="bench", timeout_s=600)
+            got = client.pull(request_id, src_ids, sink, engine_id="bench", timeout_s=600)
             times.append(time.perf_counter() - t0)
             producer.send("rusage")
             if i:

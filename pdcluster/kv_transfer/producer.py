@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from pdcluster.errors import HandshakeError
 from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache
-from pdcluster.kv_transfer.leases import LeaseTable
+from pdcluster.kv_transfer.leases import Lease, LeaseTable
 from pdcluster.kv_transfer.protocol import (
     KVLayout,
     check_protocol_version,
@@ -69,6 +70,22 @@ class KVProducer:
 
         `into` lets the transport supply each chunk's destination (see BlockGatherer.chunks).
         """
+        with self.leased(request_id, block_ids, remote_version, remote_digest) as lease:
+            with self._gatherers.get() as gatherer:
+                chunk_bytes = self.chunk_bytes(max_chunk_bytes)
+                for chunk, data in gatherer.chunks(block_ids, lease.ready_event, chunk_bytes, into):
+                    self.bytes_sent += chunk.nbytes
+                    yield chunk, data
+
+    def chunk_bytes(self, requested: int) -> int:
+        """The chunk size of a pull: the consumer's wish, capped by ours (0: ours)."""
+        return min(requested or self.max_chunk_bytes, self.max_chunk_bytes)
+
+    @contextmanager
+    def leased(
+        self, request_id: str, block_ids: Sequence[int], remote_version: int, remote_digest: int
+    ) -> Iterator[Lease]:
+        """Hold a request's lease while its blocks are read (every backend reads through this)."""
         check_protocol_version(remote_version, remote_role="decode (consumer)")
         if remote_digest != self.digest:
             raise HandshakeError(
@@ -80,22 +97,13 @@ class KVProducer:
             time.sleep(self.faults.serve_delay_s)  # injected fault: a stalled producer
         lease = self.leases.acquire(request_id, block_ids, self.lease_wait_s)
         started = time.perf_counter()
-        sent = 0
         try:
-            with self._gatherers.get() as gatherer:
-                chunk_bytes = min(max_chunk_bytes or self.max_chunk_bytes, self.max_chunk_bytes)
-                for chunk, data in gatherer.chunks(block_ids, lease.ready_event, chunk_bytes, into):
-                    sent += chunk.nbytes
-                    yield chunk, data
+            yield lease
         finally:
             self.leases.end_pull(lease)
-            self.bytes_sent += sent
             self.pulls_served += 1
             logger.debug(
-                "served %d bytes of %s in %.1f ms",
-                sent,
-                request_id,
-                (time.perf_counter() - started) * 1e3,
+                "served %s in %.1f ms", request_id, (time.perf_counter() - started) * 1e3
             )
 
     def release(self, request_id: str, transferred: bool) -> bool:

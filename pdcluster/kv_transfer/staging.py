@@ -249,7 +249,21 @@ class BlockScatterer:
             with self.ctx.stream:
                 self._ids_dev = self.ctx.index_tensor(local_block_ids)
 
-    def write(self, chunk: Chunk, payload: memoryview | bytes) -> None:
+    @property
+    def block_ids(self) -> Sequence[int]:
+        return self._ids
+
+    def host_rows(self) -> list[tuple[int, int]] | None:
+        """Per layer (address, bytes per block) when every layer is a plain host array of block
+        rows (what a direct cross-process read can fill), else None."""
+        if self.ctx.is_accelerator or any(rows is None for rows in self._rows):
+            return None
+        return [(t.data_ptr(), b) for t, b in zip(self.cache.tensors, self.cache.block_bytes)]
+
+    def write(self, chunk: Chunk, payload: memoryview | bytes | torch.Tensor) -> None:
+        if isinstance(payload, torch.Tensor) and payload.device.type != "cpu":
+            self._write_device(chunk, payload)
+            return
         layer = self.cache.tensors[chunk.layer_index]
         shape = (chunk.count, *layer.shape[1:])
         sub = self._ids[chunk.first : chunk.first + chunk.count]
@@ -285,6 +299,25 @@ class BlockScatterer:
                 layer.index_copy_(0, self._ids_dev[chunk.first : chunk.first + chunk.count], src)
             slot.event.record(self.ctx.stream)
         slot.busy = True
+
+    def _write_device(self, chunk: Chunk, src: torch.Tensor) -> None:
+        """A chunk already on the cache's device (collective backend): scatter it on the side
+        stream after what the caller's stream enqueued (the recv); the caller's stream then waits
+        for the scatter before it may reuse `src`."""
+        assert self._ids_dev is not None
+        layer = self.cache.tensors[chunk.layer_index]
+        shape = (chunk.count, *layer.shape[1:])
+        sub = self._ids[chunk.first : chunk.first + chunk.count]
+        run = contiguous_run(sub)
+        caller = torch.accelerator.current_stream(self.ctx.device)
+        self.ctx.stream.wait_stream(caller)
+        with self.ctx.stream:
+            data = src[: chunk.nbytes].view(layer.dtype).view(shape)
+            if run is not None:
+                layer[run : run + chunk.count].copy_(data)
+            else:
+                layer.index_copy_(0, self._ids_dev[chunk.first : chunk.first + chunk.count], data)
+        caller.wait_stream(self.ctx.stream)
 
     def finish(self) -> torch.Event | None:
         """Event after every enqueued write; the compute stream must wait on it (None on CPU)."""

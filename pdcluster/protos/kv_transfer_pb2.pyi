@@ -101,3 +101,85 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ShmPullRequest(_message.Message):
+    __slots__ = ("pull", "consumed", "direct", "pid", "layer_addresses", "block_ids")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    pull: PullRequest
+    consumed: int
+    direct: bool
+    pid: int
+    layer_addresses: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., consumed: _Optional[int] = ..., direct: _Optional[bool] = ..., pid: _Optional[int] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShmChunk(_message.Message):
+    __slots__ = ("header", "segment", "segment_bytes", "offset", "pid", "layer_addresses", "push_from_layer", "pushed", "pushed_layers")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FROM_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkHeader
+    segment: str
+    segment_bytes: int
+    offset: int
+    pid: int
+    layer_addresses: _containers.RepeatedScalarFieldContainer[int]
+    push_from_layer: int
+    pushed: bool
+    pushed_layers: int
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., segment: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., pid: _Optional[int] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., push_from_layer: _Optional[int] = ..., pushed: _Optional[bool] = ..., pushed_layers: _Optional[int] = ...) -> None: ...
+
+class CollectiveOpenRequest(_message.Message):
+    __slots__ = ("consumer_engine_id", "backend", "device_kind")
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    consumer_engine_id: str
+    backend: str
+    device_kind: str
+    def __init__(self, consumer_engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., device_kind: _Optional[str] = ...) -> None: ...
+
+class CollectiveOpenResponse(_message.Message):
+    __slots__ = ("store_port", "group_key", "backend", "error")
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    store_port: int
+    group_key: str
+    backend: str
+    error: str
+    def __init__(self, store_port: _Optional[int] = ..., group_key: _Optional[str] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CollectivePullRequest(_message.Message):
+    __slots__ = ("pull", "group_key", "tag")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    pull: PullRequest
+    group_key: str
+    tag: int
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., group_key: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class CollectiveProgress(_message.Message):
+    __slots__ = ("num_chunks", "chunk_bytes", "bytes_sent", "done")
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    num_chunks: int
+    chunk_bytes: int
+    bytes_sent: int
+    done: bool
+    def __init__(self, num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -49,6 +49,21 @@ class KVTransferStub:
                 request_serializer=kv__transfer__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ShmPull = channel.stream_stream(
+                '/pdcluster.kv.v1.KVTransfer/ShmPull',
+                request_serializer=kv__transfer__pb2.ShmPullRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.ShmChunk.FromString,
+                _registered_method=True)
+        self.CollectiveOpen = channel.unary_unary(
+                '/pdcluster.kv.v1.KVTransfer/CollectiveOpen',
+                request_serializer=kv__transfer__pb2.CollectiveOpenRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.CollectiveOpenResponse.FromString,
+                _registered_method=True)
+        self.CollectivePull = channel.unary_stream(
+                '/pdcluster.kv.v1.KVTransfer/CollectivePull',
+                request_serializer=kv__transfer__pb2.CollectivePullRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.CollectiveProgress.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -72,6 +87,24 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShmPull(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectiveOpen(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectivePull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +122,21 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kv__transfer__pb2.ReleaseRequest.FromString,
                     response_serializer=kv__transfer__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ShmPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.ShmPull,
+                    request_deserializer=kv__transfer__pb2.ShmPullRequest.FromString,
+                    response_serializer=kv__transfer__pb2.ShmChunk.SerializeToString,
+            ),
+            'CollectiveOpen': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectiveOpen,
+                    request_deserializer=kv__transfer__pb2.CollectiveOpenRequest.FromString,
+                    response_serializer=kv__transfer__pb2.CollectiveOpenResponse.SerializeToString,
+            ),
+            'CollectivePull': grpc.unary_stream_rpc_method_handler(
+                    servicer.CollectivePull,
+                    request_deserializer=kv__transfer__pb2.CollectivePullRequest.FromString,
+                    response_serializer=kv__transfer__pb2.CollectiveProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +220,87 @@ class KVTransfer:
             '/pdcluster.kv.v1.KVTransfer/Release',
             kv__transfer__pb2.ReleaseRequest.SerializeToString,
             kv__transfer__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShmPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdcluster.kv.v1.KVTransfer/ShmPull',
+            kv__transfer__pb2.ShmPullRequest.SerializeToString,
+            kv__transfer__pb2.ShmChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectiveOpen(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kv.v1.KVTransfer/CollectiveOpen',
+            kv__transfer__pb2.CollectiveOpenRequest.SerializeToString,
+            kv__transfer__pb2.CollectiveOpenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectivePull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdcluster.kv.v1.KVTransfer/CollectivePull',
+            kv__transfer__pb2.CollectivePullRequest.SerializeToString,
+            kv__transfer__pb2.CollectiveProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,14 +1,21 @@
 """Transport backends, registered by name in one place and imported only when used.
 
-`grpc` is the portable default. Later backends (`shm` for same-host, `collective` for
-HCCL/NCCL/gloo point-to-point) register here the same way.
+`grpc` is the portable path; `shm` moves bytes through shared memory on one host; `collective`
+through a torch.distributed point-to-point group per producer/consumer pair (gloo / NCCL / HCCL).
+All of them use the gRPC service for control. `serve_backends` puts every backend a producer
+offers on its one control server; the consumer picks one per producer (selection.py).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pdcluster.kv_transfer.transports.base import Transport, TransportSettings
+from pdcluster.kv_transfer.transports.base import Transport, TransportServer, TransportSettings
+
+if TYPE_CHECKING:
+    from pdcluster.kv_transfer.producer import KVProducer
 
 _REGISTRY: dict[str, str] = {}
 
@@ -36,4 +43,20 @@ def create_transport(name: str, settings: TransportSettings) -> Transport:
     return cls(settings)
 
 
+def serve_backends(
+    names: Sequence[str], settings: TransportSettings, producer: KVProducer, host: str, port: int
+) -> TransportServer:
+    """One control server on host:port that serves every backend in `names`."""
+    from pdcluster.kv_transfer.transports.grpc_transport import GrpcServer
+
+    extensions = []
+    for name in names:
+        extension = create_transport(name, settings).server_extension(producer, host)
+        if extension is not None:
+            extensions.append(extension)
+    return GrpcServer(producer, host, port, settings, extensions)  # closes them if it fails
+
+
 register_transport("grpc", "pdcluster.kv_transfer.transports.grpc_transport:GrpcTransport")
+register_transport("shm", "pdcluster.kv_transfer.transports.shm:ShmTransport")
+register_transport("collective", "pdcluster.kv_transfer.transports.collective:CollectiveTransport")

@@ -4,6 +4,10 @@ A `Transport` makes servers (producer side, wrapping a `KVProducer`) and clients
 Clients do three things, mirroring protos/kv_transfer.proto: `handshake`, `pull` (chunks handed to
 a callback that writes them into the local cache), and `release`. Backends are registered by name
 in `transports/__init__.py` and imported only when used.
+
+Every backend's control (handshake, release, the secret) is the gRPC service; a faster backend adds
+its RPCs to the producer's one gRPC server through a `ServerExtension`, so a producer can serve
+several backends at once and each consumer picks one per producer (`selection.py`).
 """
 
 from __future__ import annotations
@@ -11,12 +15,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import DEFAULT_CHUNK_BYTES, KVLayout
 
-ChunkSink = Callable[[Chunk, memoryview], None]
+# Receives each chunk's bytes: a host buffer, or (collective backend on an accelerator) a tensor
+# on the cache's device. Valid only during the call.
+ChunkSink = Callable[[Chunk, "memoryview | torch.Tensor"], None]
+Authorize = Callable[[Any], None]  # aborts the gRPC call unless it carries the cluster secret
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,35 @@ class TransportSettings:
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     connect_timeout_s: float = 5.0
     server_threads: int = 8
+    pull_timeout_s: float = 30.0  # collective: bound on one send/recv (a stuck peer cannot hang us)
+
+
+class CacheSink:
+    """Where a pull's chunks land: the local cache's blocks, through a BlockScatterer.
+
+    Every backend calls it with each chunk's bytes. A backend that can fill the cache itself
+    (shm's direct read) asks `host_rows()` for the destination and calls `landed` per chunk
+    instead. `after_chunk` runs after each chunk landed (fault injection hooks in here).
+    """
+
+    def __init__(self, scatterer: Any, after_chunk: Callable[[Chunk], None] | None = None):
+        self.scatterer = scatterer
+        self._after = after_chunk
+
+    def __call__(self, chunk: Chunk, data: memoryview | torch.Tensor) -> None:
+        self.scatterer.write(chunk, data)
+        self.landed(chunk)
+
+    def host_rows(self) -> list[tuple[int, int]] | None:
+        return self.scatterer.host_rows()
+
+    @property
+    def block_ids(self) -> Sequence[int]:
+        return self.scatterer.block_ids
+
+    def landed(self, chunk: Chunk) -> None:
+        if self._after is not None:
+            self._after(chunk)
 
 
 class TransportServer(ABC):
@@ -62,14 +101,32 @@ class TransportClient(ABC):
     def close(self) -> None: ...
 
 
+class ServerExtension(ABC):
+    """RPCs a backend adds to the producer's gRPC server, and what they hold (segments, groups)."""
+
+    @abstractmethod
+    def handlers(self, authorize: Authorize) -> dict[str, Any]:
+        """gRPC method name -> grpc.RpcMethodHandler; each handler calls `authorize` first."""
+
+    def close(self) -> None:
+        """Free what the extension holds (called when the server stops)."""
+
+
 class Transport(ABC):
     name: str = ""
 
     def __init__(self, settings: TransportSettings):
         self.settings = settings
 
-    @abstractmethod
-    def serve(self, producer: KVProducer, host: str, port: int) -> TransportServer: ...
+    def server_extension(self, producer: KVProducer, host: str) -> ServerExtension | None:
+        """What this backend adds to the producer's control server (None: nothing)."""
+        return None
+
+    def serve(self, producer: KVProducer, host: str, port: int) -> TransportServer:
+        """A control server that serves this backend (and the plain gRPC pull)."""
+        from pdcluster.kv_transfer.transports import serve_backends
+
+        return serve_backends([self.name], self.settings, producer, host, port)
 
     @abstractmethod
     def connect(self, endpoint: str) -> TransportClient: ...

@@ -40,6 +40,7 @@ from pdcluster.kv_transfer.protocol import (
 )
 from pdcluster.kv_transfer.transports.base import (
     ChunkSink,
+    ServerExtension,
     Transport,
     TransportClient,
     TransportServer,
@@ -96,7 +97,7 @@ class _Servicer:
         self.producer = producer
         self._secret = secret.encode()
 
-    def _authorize(self, context: grpc.ServicerContext) -> None:
+    def authorize(self, context: grpc.ServicerContext) -> None:
         presented = b""
         for key, value in context.invocation_metadata():
             if key == SECRET_METADATA_KEY:
@@ -106,7 +107,7 @@ class _Servicer:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
 
     def handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
-        self._authorize(context)
+        self.authorize(context)
         error = ""
         try:
             self.producer.handshake(request.protocol_version, layout_from_pb(request.layout))
@@ -121,7 +122,7 @@ class _Servicer:
         )
 
     def pull(self, request: pb.PullRequest, context):
-        self._authorize(context)
+        self.authorize(context)
         messages: list[bytes] = []
 
         def into(chunk: Chunk) -> memoryview:
@@ -148,7 +149,7 @@ class _Servicer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        self._authorize(context)
+        self.authorize(context)
         released = self.producer.release(request.request_id, request.transferred)
         return pb.ReleaseResponse(released=released)
 
@@ -158,8 +159,18 @@ def _identity(raw: bytes) -> bytes:
 
 
 class GrpcServer(TransportServer):
-    def __init__(self, producer: KVProducer, host: str, port: int, settings: TransportSettings):
+    """The producer's control server: the gRPC pull, plus each extension's RPCs."""
+
+    def __init__(
+        self,
+        producer: KVProducer,
+        host: str,
+        port: int,
+        settings: TransportSettings,
+        extensions: Sequence[ServerExtension] = (),
+    ):
         servicer = _Servicer(producer, settings.secret)
+        self._extensions = list(extensions)
         handlers = {
             "Handshake": grpc.unary_unary_rpc_method_handler(
                 servicer.handshake,
@@ -177,6 +188,8 @@ class GrpcServer(TransportServer):
                 response_serializer=pb.ReleaseResponse.SerializeToString,
             ),
         }
+        for extension in self._extensions:
+            handlers.update(extension.handlers(servicer.authorize))
         self._server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=settings.server_threads, thread_name_prefix="kv-grpc"
@@ -189,8 +202,10 @@ class GrpcServer(TransportServer):
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:
+            self.close_extensions()
             raise KVTransferError(f"cannot bind KV server to {host}:{port}: {exc}") from exc
         if bound == 0:
+            self.close_extensions()
             raise KVTransferError(f"cannot bind KV server to {host}:{port}")
         self._address = f"{host}:{bound}"
         self._server.start()
@@ -202,6 +217,12 @@ class GrpcServer(TransportServer):
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._server.stop(grace_s).wait()
+        self.close_extensions()
+
+    def close_extensions(self) -> None:
+        for extension in self._extensions:
+            extension.close()
+        self._extensions.clear()
 
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[KVTransferError]] = {
@@ -212,7 +233,7 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[KVTransferError]] = {
 }
 
 
-def _translate(exc: grpc.RpcError, endpoint: str, what: str) -> KVTransferError:
+def translate(exc: grpc.RpcError, endpoint: str, what: str) -> KVTransferError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _STATUS_ERRORS.get(code, KVTransferError)
@@ -223,7 +244,7 @@ class GrpcClient(TransportClient):
     def __init__(self, endpoint: str, settings: TransportSettings):
         self.endpoint = endpoint
         self.settings = settings
-        self._channel = grpc.insecure_channel(
+        self.channel = grpc.insecure_channel(
             endpoint,
             options=[
                 *_channel_options(settings),
@@ -231,18 +252,18 @@ class GrpcClient(TransportClient):
                 # (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ],
         )
-        self._metadata = ((SECRET_METADATA_KEY, settings.secret),)
-        self._handshake = self._channel.unary_unary(
+        self.metadata = ((SECRET_METADATA_KEY, settings.secret),)
+        self._handshake = self.channel.unary_unary(
             f"/{SERVICE}/Handshake",
             request_serializer=pb.HandshakeRequest.SerializeToString,
             response_deserializer=pb.HandshakeResponse.FromString,
         )
-        self._pull = self._channel.unary_stream(
+        self._pull = self.channel.unary_stream(
             f"/{SERVICE}/Pull",
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=decode_chunk,
         )
-        self._release = self._channel.unary_unary(
+        self._release = self.channel.unary_unary(
             f"/{SERVICE}/Release",
             request_serializer=pb.ReleaseRequest.SerializeToString,
             response_deserializer=pb.ReleaseResponse.FromString,
@@ -257,12 +278,12 @@ class GrpcClient(TransportClient):
         try:
             reply = self._handshake(
                 request,
-                metadata=self._metadata,
+                metadata=self.metadata,
                 timeout=self.settings.connect_timeout_s,
                 wait_for_ready=True,
             )
         except grpc.RpcError as exc:
-            raise _translate(exc, self.endpoint, "KV handshake") from None
+            raise translate(exc, self.endpoint, "KV handshake") from None
         if reply.error:
             raise HandshakeError(reply.error)
         check_protocol_version(reply.protocol_version, remote_role="prefill (producer)")
@@ -274,6 +295,38 @@ class GrpcClient(TransportClient):
         self._remote_layout = remote
         return remote
 
+    def pull_request(self, request_id: str, block_ids: Sequence[int], engine_id: str) -> pb.PullRequest:
+        """The PullRequest every backend sends (raises before a successful handshake)."""
+        if self._digest is None or self._remote_layout is None:
+            raise KVTransferError(f"pull from {self.endpoint} before a successful handshake")
+        return pb.PullRequest(
+            protocol_version=PROTOCOL_VERSION,
+            request_id=request_id,
+            block_ids=list(block_ids),
+            consumer_engine_id=engine_id,
+            max_chunk_bytes=self.settings.max_chunk_bytes,
+            layout_digest=self._digest,
+        )
+
+    def check_chunk(self, header: ChunkHeader, num_blocks: int) -> Chunk:
+        """The chunk a producer's header announces, refused unless it fits the pull."""
+        assert self._remote_layout is not None
+        layers = self._remote_layout.layers
+        if header.layer_index >= len(layers) or header.first_block + header.num_blocks > num_blocks:
+            raise KVTransferError(f"malformed KV chunk {header} from {self.endpoint}")
+        nbytes = header.num_blocks * layers[header.layer_index].block_bytes
+        return Chunk(header.layer_index, header.first_block, header.num_blocks, nbytes)
+
+    def check_total(self, request_id: str, block_ids: Sequence[int], received: int) -> int:
+        assert self._remote_layout is not None
+        expected = len(block_ids) * self._remote_layout.bytes_per_block()
+        if received != expected:
+            raise KVTransferError(
+                f"KV pull of {request_id} from {self.endpoint} ended after {received} of "
+                f"{expected} bytes"
+            )
+        return received
+
     def pull(
         self,
         request_id: str,
@@ -283,57 +336,37 @@ class GrpcClient(TransportClient):
         engine_id: str,
         timeout_s: float,
     ) -> int:
-        if self._digest is None or self._remote_layout is None:
-            raise KVTransferError(f"pull from {self.endpoint} before a successful handshake")
-        block_bytes = [spec.block_bytes for spec in self._remote_layout.layers]
-        request = pb.PullRequest(
-            protocol_version=PROTOCOL_VERSION,
-            request_id=request_id,
-            block_ids=list(block_ids),
-            consumer_engine_id=engine_id,
-            max_chunk_bytes=self.settings.max_chunk_bytes,
-            layout_digest=self._digest,
-        )
+        request = self.pull_request(request_id, block_ids, engine_id)
         received = 0
-        expected = len(block_ids) * sum(block_bytes)
-        call = self._pull(request, metadata=self._metadata, timeout=timeout_s)
+        call = self._pull(request, metadata=self.metadata, timeout=timeout_s)
         try:
             for header, data in call:
-                if header.layer_index >= len(block_bytes) or (
-                    header.first_block + header.num_blocks > len(block_ids)
-                ):
-                    raise KVTransferError(f"malformed KV chunk {header} from {self.endpoint}")
-                nbytes = header.num_blocks * block_bytes[header.layer_index]
-                if len(data) != nbytes:
+                chunk = self.check_chunk(header, len(block_ids))
+                if len(data) != chunk.nbytes:
                     raise KVTransferError(
                         f"KV chunk {header} from {self.endpoint} has {len(data)} bytes, "
-                        f"expected {nbytes}"
+                        f"expected {chunk.nbytes}"
                     )
-                sink(Chunk(header.layer_index, header.first_block, header.num_blocks, nbytes), data)
-                received += nbytes
+                sink(chunk, data)
+                received += chunk.nbytes
         except grpc.RpcError as exc:
-            raise _translate(exc, self.endpoint, f"KV pull of {request_id}") from None
+            raise translate(exc, self.endpoint, f"KV pull of {request_id}") from None
         except BaseException:
             call.cancel()
             raise
-        if received != expected:
-            raise KVTransferError(
-                f"KV pull of {request_id} from {self.endpoint} ended after {received} of "
-                f"{expected} bytes"
-            )
-        return received
+        return self.check_total(request_id, block_ids, received)
 
     def release(self, request_id: str, *, transferred: bool, engine_id: str, timeout_s: float) -> bool:
         request = pb.ReleaseRequest(
             request_id=request_id, transferred=transferred, consumer_engine_id=engine_id
         )
         try:
-            return self._release(request, metadata=self._metadata, timeout=timeout_s).released
+            return self._release(request, metadata=self.metadata, timeout=timeout_s).released
         except grpc.RpcError as exc:
-            raise _translate(exc, self.endpoint, f"KV release of {request_id}") from None
+            raise translate(exc, self.endpoint, f"KV release of {request_id}") from None
 
     def close(self) -> None:
-        self._channel.close()
+        self.channel.close()
 
 
 class GrpcTransport(Transport):

@@ -1,0 +1,455 @@
+"""Shared-memory backend (same host): gRPC carries control only, KV bytes move through /dev/shm.
+
+Producer: `ShmExtension` adds the bidirectional `ShmPull` RPC to the control server. A pull
+borrows a ring (one POSIX shm segment, mode 0600, of `SLOTS` chunk-sized slots) from a pool; the
+producer gathers chunk i straight from its cache into slot i % SLOTS and streams a `ShmChunk`
+saying where it lies. Before it overwrites a slot it waits until the consumer reported
+(`consumed`) that it copied that chunk out, so the producer's gather of the next chunks overlaps
+the consumer's scatter of this one: one copy in each process, on two cores. The segment's name is
+only ever sent in reply to a call that presented the cluster secret. Segments are unlinked when
+the server stops, and at interpreter exit.
+
+Consumer: `ShmClient` (the gRPC client, plus ShmPull) maps each segment once, read-only, and
+hands the sink zero-copy views of the slots.
+
+Direct variant (both caches in host memory): two copies through a segment cost twice the memory
+traffic of one, so where the OS lets the peers copy between each other's memory (cma.py) the
+consumer sends its pid, cache addresses and destination blocks; the producer, holding the lease,
+answers with its own and then writes the upper half of the layers into the consumer's cache while
+the consumer reads the lower half from the producer's: one copy per byte, on two cores. Where
+the OS refuses (EPERM), the client falls back to the ring for good.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import queue
+import re
+import secrets
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.kv_transfer.kv_cache import Chunk
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.staging import Pool
+from pdcluster.kv_transfer.transports import cma
+from pdcluster.kv_transfer.transports.base import (
+    Authorize,
+    CacheSink,
+    ChunkSink,
+    ServerExtension,
+    Transport,
+    TransportClient,
+    TransportSettings,
+)
+from pdcluster.kv_transfer.transports.grpc_transport import SERVICE, GrpcClient, translate
+from pdcluster.protos import kv_transfer_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "pdcluster-kv-"
+_NAME = re.compile(r"pdcluster-kv-[0-9]+-[0-9a-f]{16}")
+SLOTS = 4  # chunks in flight per pull (4 MiB each by default)
+_PAGE = mmap.PAGESIZE
+
+
+class Segment:
+    """A mapped POSIX shared-memory segment (a file under /dev/shm)."""
+
+    def __init__(self, name: str, size: int, *, create: bool):
+        if not _NAME.fullmatch(name):
+            raise KVTransferError(f"refusing shared-memory segment name {name!r}")
+        self.name = name
+        self.size = size
+        self.path = SHM_DIR / name
+        if create:
+            # O_EXCL: never adopt a file someone else made; 0600: only this user may map it.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        else:
+            fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise KVTransferError(
+                    f"shared-memory segment {name} has {os.fstat(fd).st_size} bytes, "
+                    f"the producer announced {size}"
+                )
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        except BaseException:
+            if create:
+                os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            logger.warning("shared-memory segment %s still has views; left mapped", self.name)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            return
+
+
+class _Ring:
+    """A producer's segment cut into SLOTS equal slots."""
+
+    def __init__(self, slot_bytes: int):
+        self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.segment = Segment(name, SLOTS * self.slot_bytes, create=True)
+
+    def offset(self, index: int) -> int:
+        return (index % SLOTS) * self.slot_bytes
+
+
+class _ConsumerGone(Exception):
+    pass
+
+
+class _Consumed:
+    """How many chunks the consumer has copied out, read from its side of the ShmPull stream."""
+
+    def __init__(self, requests: Iterator[pb.ShmPullRequest]):
+        self._requests = requests
+        self.count = 0
+
+    def wait_for(self, count: int) -> None:
+        while self.count < count:
+            message = next(self._requests, None)
+            if message is None:
+                raise _ConsumerGone
+            self.count = max(self.count, message.consumed)
+
+
+class ShmExtension(ServerExtension):
+    def __init__(self, producer: KVProducer):
+        self.producer = producer
+        slot_bytes = producer.cache.max_chunk_nbytes(producer.max_chunk_bytes)
+        self._rings: list[_Ring] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+        def make_ring() -> _Ring:
+            ring = _Ring(slot_bytes)
+            with self._lock:
+                if self._closed:
+                    ring.segment.close()
+                    ring.segment.unlink()
+                    raise KVTransferError("KV server is stopping")
+                self._rings.append(ring)
+            return ring
+
+        self._pool: Pool[_Ring] = Pool(make_ring)
+        cache = producer.cache
+        # The direct variant needs every layer as plain host rows of blocks.
+        self._addresses = (
+            [t.data_ptr() for t in cache.tensors]
+            if cache.device.type == "cpu" and all(t.is_contiguous() for t in cache.tensors)
+            else None
+        )
+        atexit.register(self.close)
+
+    def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
+        def pull(requests, context):
+            authorize(context)
+            yield from self._serve(requests, context)
+
+        return {
+            "ShmPull": grpc.stream_stream_rpc_method_handler(
+                pull,
+                request_deserializer=pb.ShmPullRequest.FromString,
+                response_serializer=pb.ShmChunk.SerializeToString,
+            )
+        }
+
+    def _serve(self, requests: Iterator[pb.ShmPullRequest], context) -> Iterator[pb.ShmChunk]:
+        first = next(requests, None)
+        if first is None or not first.HasField("pull"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ShmPull must open with the pull")
+        pull = first.pull
+        consumed = _Consumed(requests)
+        try:
+            if first.direct and self._addresses is not None:
+                yield from self._serve_direct(first, consumed)
+                return
+        except _ConsumerGone:
+            logger.warning("consumer left the direct shm pull of %s", pull.request_id)
+            return
+        except LeaseNotFoundError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except HandshakeError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        with self._pool.get() as ring:
+            sent = 0
+
+            def into(chunk: Chunk):
+                consumed.wait_for(sent - SLOTS + 1)  # the slot's previous chunk was read
+                start = ring.offset(sent)
+                return ring.segment.view[start : start + chunk.nbytes]
+
+            try:
+                stream = self.producer.stream(
+                    pull.request_id,
+                    list(pull.block_ids),
+                    remote_version=pull.protocol_version,
+                    remote_digest=pull.layout_digest,
+                    max_chunk_bytes=pull.max_chunk_bytes,
+                    into=into,
+                )
+                for chunk, _ in stream:
+                    yield pb.ShmChunk(
+                        header=pb.ChunkHeader(
+                            layer_index=chunk.layer_index,
+                            first_block=chunk.first,
+                            num_blocks=chunk.count,
+                        ),
+                        segment=ring.segment.name if sent == 0 else "",
+                        segment_bytes=ring.segment.size if sent == 0 else 0,
+                        offset=ring.offset(sent),
+                    )
+                    sent += 1
+                # The ring goes back to the pool only once the consumer read every slot.
+                consumed.wait_for(sent)
+            except _ConsumerGone:
+                logger.warning("consumer left the shm pull of %s after %d chunks", pull.request_id, sent)
+            except LeaseNotFoundError as exc:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except HandshakeError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def _serve_direct(self, first: pb.ShmPullRequest, consumed: _Consumed) -> Iterator[pb.ShmChunk]:
+        """Hold the lease while the blocks move directly between the two caches: we push the
+        upper half of the layers, the consumer reads the lower half itself."""
+        pull = first.pull
+        assert self._addresses is not None
+        layers = len(self._addresses)
+        if len(first.layer_addresses) != layers or len(first.block_ids) != len(pull.block_ids):
+            raise HandshakeError(
+                f"direct shm pull of {pull.request_id}: consumer sent {len(first.layer_addresses)} "
+                f"layers and {len(first.block_ids)} destination blocks, this producer has {layers} "
+                f"layers and the pull {len(pull.block_ids)} blocks"
+            )
+        row_bytes = self.producer.cache.block_bytes
+        push_from = layers // 2
+        with self.producer.leased(
+            pull.request_id, list(pull.block_ids), pull.protocol_version, pull.layout_digest
+        ):
+            yield pb.ShmChunk(
+                pid=os.getpid(), layer_addresses=self._addresses, push_from_layer=push_from
+            )
+            pushed = layers - push_from
+            local = cma.block_iovecs(self._addresses[push_from:], row_bytes[push_from:], pull.block_ids)
+            remote = cma.block_iovecs(
+                first.layer_addresses[push_from:], row_bytes[push_from:], first.block_ids
+            )
+            try:
+                cma.copy(first.pid, local, remote, write=True)
+            except (OSError, KVTransferError) as exc:
+                logger.warning("pushing KV of %s to pid %d failed (%s); the consumer reads it",
+                               pull.request_id, first.pid, exc)
+                pushed = 0
+            yield pb.ShmChunk(pushed=True, pushed_layers=pushed)
+            consumed.wait_for(1)
+            self.producer.bytes_sent += len(pull.block_ids) * self.producer.layout.bytes_per_block()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            rings, self._rings = self._rings, []
+        for ring in rings:
+            ring.segment.close()
+            ring.segment.unlink()
+        atexit.unregister(self.close)
+
+
+class _DirectRefused(Exception):
+    pass
+
+
+class _DirectRead:
+    """Consumer side of a direct pull: read layers [a, b) from the producer's cache into ours."""
+
+    def __init__(self, note: pb.ShmChunk, layout, block_ids: Sequence[int], sink: CacheSink,
+                 rows: list[tuple[int, int]]):
+        self.row_bytes = [spec.block_bytes for spec in layout.layers]
+        if len(note.layer_addresses) != len(rows) or [r for _, r in rows] != self.row_bytes:
+            raise KVTransferError(
+                f"direct shm notice names {len(note.layer_addresses)} layers, "
+                f"this cache has {len(rows)}"
+            )
+        if not 0 <= note.push_from_layer <= len(rows):
+            raise KVTransferError(f"direct shm notice pushes from layer {note.push_from_layer}")
+        self.note, self.block_ids, self.sink, self.rows = note, block_ids, sink, rows
+        self.done = 0  # layers [0, done) are in our cache
+
+    def read(self, start: int, stop: int) -> None:
+        if start >= stop:
+            return
+        remote = cma.block_iovecs(
+            self.note.layer_addresses[start:stop], self.row_bytes[start:stop], self.block_ids
+        )
+        local = cma.block_iovecs(
+            [a for a, _ in self.rows[start:stop]], self.row_bytes[start:stop], self.sink.block_ids
+        )
+        try:
+            cma.copy(self.note.pid, local, remote)
+        except OSError as exc:
+            if exc.errno in cma.REFUSED:
+                raise _DirectRefused(str(exc)) from exc
+            raise KVTransferError(f"direct read from pid {self.note.pid}: {exc}") from exc
+        for index in range(start, stop):
+            count = len(self.block_ids)
+            self.sink.landed(Chunk(index, 0, count, count * self.row_bytes[index]))
+
+    def finish(self, pushed_layers: int) -> int:
+        """After the producer pushed `pushed_layers` from push_from_layer: read what is left."""
+        start = self.note.push_from_layer
+        pushed = min(pushed_layers, len(self.rows) - start)
+        for index in range(start, start + pushed):
+            count = len(self.block_ids)
+            self.sink.landed(Chunk(index, 0, count, count * self.row_bytes[index]))
+        self.read(start + pushed, len(self.rows))
+        return len(self.block_ids) * sum(self.row_bytes)
+
+
+class ShmClient(GrpcClient):
+    def __init__(self, endpoint: str, settings: TransportSettings):
+        super().__init__(endpoint, settings)
+        self._shm_pull = self.channel.stream_stream(
+            f"/{SERVICE}/ShmPull",
+            request_serializer=pb.ShmPullRequest.SerializeToString,
+            response_deserializer=pb.ShmChunk.FromString,
+        )
+        self._segments: dict[str, Segment] = {}
+        self._segments_lock = threading.Lock()
+        self.direct = cma.available()  # until the OS refuses a direct read from this producer
+
+    def _attach(self, name: str, size: int) -> Segment:
+        with self._segments_lock:
+            segment = self._segments.get(name)
+            if segment is None:
+                try:
+                    segment = Segment(name, size, create=False)
+                except OSError as exc:
+                    raise KVTransferError(
+                        f"cannot map the producer's shared memory {name} ({exc}); "
+                        "is the producer on another host? use kv_transfer.backend grpc or auto"
+                    ) from exc
+                self._segments[name] = segment
+            return segment
+
+    def pull(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        sink: ChunkSink,
+        *,
+        engine_id: str,
+        timeout_s: float,
+    ) -> int:
+        request = self.pull_request(request_id, block_ids, engine_id)
+        rows = sink.host_rows() if self.direct and isinstance(sink, CacheSink) else None
+        if rows is not None:
+            try:
+                return self._pull_shm(request, block_ids, sink, timeout_s, rows)
+            except _DirectRefused as exc:
+                self.direct = False
+                logger.warning(
+                    "direct reads from %s refused (%s); using the shared-memory ring from now on",
+                    self.endpoint, exc,
+                )
+        return self._pull_shm(request, block_ids, sink, timeout_s, None)
+
+    def _pull_shm(
+        self,
+        request: pb.PullRequest,
+        block_ids: Sequence[int],
+        sink: ChunkSink,
+        timeout_s: float,
+        rows: list[tuple[int, int]] | None,
+    ) -> int:
+        outbox: queue.SimpleQueue[pb.ShmPullRequest | None] = queue.SimpleQueue()
+        if rows is None:
+            outbox.put(pb.ShmPullRequest(pull=request))
+        else:
+            assert isinstance(sink, CacheSink)
+            outbox.put(
+                pb.ShmPullRequest(
+                    pull=request, direct=True, pid=os.getpid(),
+                    layer_addresses=[address for address, _ in rows], block_ids=sink.block_ids,
+                )
+            )
+
+        def messages() -> Iterator[pb.ShmPullRequest]:
+            while (message := outbox.get()) is not None:
+                yield message
+
+        call = self._shm_pull(messages(), metadata=self.metadata, timeout=timeout_s)
+        received = consumed = 0
+        segment: Segment | None = None
+        direct: _DirectRead | None = None
+        try:
+            for note in call:
+                if note.pid or note.pushed:
+                    if rows is None or (note.pid and direct) or (note.pushed and not direct):
+                        raise KVTransferError(f"unexpected direct shm notice from {self.endpoint}")
+                    assert isinstance(sink, CacheSink) and self._remote_layout is not None
+                    if note.pid:
+                        direct = _DirectRead(note, self._remote_layout, block_ids, sink, rows)
+                        direct.read(0, note.push_from_layer)
+                    else:
+                        received += direct.finish(note.pushed_layers)
+                        consumed = 1
+                        outbox.put(pb.ShmPullRequest(consumed=consumed))
+                    continue
+                chunk = self.check_chunk(note.header, len(block_ids))
+                if note.segment:
+                    segment = self._attach(note.segment, note.segment_bytes)
+                if segment is None or note.offset + chunk.nbytes > segment.size:
+                    raise KVTransferError(f"malformed shm chunk {note} from {self.endpoint}")
+                sink(chunk, segment.view[note.offset : note.offset + chunk.nbytes])
+                received += chunk.nbytes
+                consumed += 1
+                outbox.put(pb.ShmPullRequest(consumed=consumed))
+        except grpc.RpcError as exc:
+            raise translate(exc, self.endpoint, f"KV shm pull of {request.request_id}") from None
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            outbox.put(None)
+        return self.check_total(request.request_id, block_ids, received)
+
+    def close(self) -> None:
+        with self._segments_lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
+        super().close()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def server_extension(self, producer: KVProducer, host: str) -> ShmExtension:
+        return ShmExtension(producer)
+
+    def connect(self, endpoint: str) -> TransportClient:
+        return ShmClient(endpoint, self.settings)
