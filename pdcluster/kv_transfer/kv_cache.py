@@ -37,6 +37,19 @@ class Chunk:
     nbytes: int
 
 
+def chunk_plan(block_bytes: list[int], num_blocks: int, max_chunk_bytes: int) -> list[Chunk]:
+    """Per layer, in layer order, consecutive runs of at most max_chunk_bytes (≥ 1 block).
+
+    Both peers can compute it from the agreed layout (the collective backend does)."""
+    plan = []
+    for layer_index, nbytes in enumerate(block_bytes):
+        per_chunk = max(1, max_chunk_bytes // nbytes)
+        for first in range(0, num_blocks, per_chunk):
+            count = min(per_chunk, num_blocks - first)
+            plan.append(Chunk(layer_index, first, count, count * nbytes))
+    return plan
+
+
 class PagedKVCache:
     """Ordered, validated view over the per-layer KV tensors registered by vLLM."""
 
@@ -97,14 +110,7 @@ class PagedKVCache:
             )
 
     def chunk_plan(self, num_blocks: int, max_chunk_bytes: int) -> list[Chunk]:
-        """Per layer, in layer order, consecutive runs of at most max_chunk_bytes (≥ 1 block)."""
-        plan = []
-        for layer_index, block_bytes in enumerate(self.block_bytes):
-            per_chunk = max(1, max_chunk_bytes // block_bytes)
-            for first in range(0, num_blocks, per_chunk):
-                count = min(per_chunk, num_blocks - first)
-                plan.append(Chunk(layer_index, first, count, count * block_bytes))
-        return plan
+        return chunk_plan(self.block_bytes, num_blocks, max_chunk_bytes)
 
     def max_chunk_nbytes(self, max_chunk_bytes: int) -> int:
         return max(max(1, max_chunk_bytes // b) * b for b in self.block_bytes)

@@ -88,6 +88,22 @@ def readonly_tensor(payload: memoryview | bytes, dtype: torch.dtype) -> torch.Te
         return torch.frombuffer(payload, dtype=dtype)
 
 
+def gather_blocks(layer: torch.Tensor, chunk: Chunk, block_ids: Sequence[int],
+                  index: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Copy a chunk's blocks of `layer` into `out` (uint8, chunk.nbytes, on the layer's device),
+    on the current stream. `index`: all block ids as a tensor on that device (None: made here)."""
+    shape = (chunk.count, *layer.shape[1:])
+    dest = out[: chunk.nbytes].view(layer.dtype).view(shape)
+    sub = block_ids[chunk.first : chunk.first + chunk.count]
+    run = contiguous_run(sub)
+    if run is not None:
+        dest.copy_(layer[run : run + chunk.count])
+    elif index is not None:
+        torch.index_select(layer, 0, index[chunk.first : chunk.first + chunk.count], out=dest)
+    else:
+        torch.index_select(layer, 0, torch.tensor(sub, dtype=torch.int64), out=dest)
+
+
 class DeviceContext:
     """The KV cache's device, with a side stream and event factory when it is an accelerator."""
 
@@ -153,26 +169,13 @@ class BlockGatherer:
     def _gather(self, slot: _Slot, chunk: Chunk, ids: Sequence[int], ids_dev: torch.Tensor | None,
                 target: memoryview | None = None) -> None:
         layer = self.cache.tensors[chunk.layer_index]
-        shape = (chunk.count, *layer.shape[1:])
-        sub = ids[chunk.first : chunk.first + chunk.count]
-        run = contiguous_run(sub)
         if not self.ctx.is_accelerator:
-            dest = slot.host[: chunk.nbytes] if target is None else tensor_over(target)
-            out = dest.view(layer.dtype).view(shape)
-            if run is not None:
-                out.copy_(layer[run : run + chunk.count])
-            else:
-                torch.index_select(layer, 0, torch.tensor(sub, dtype=torch.int64), out=out)
+            dest = slot.host if target is None else tensor_over(target)
+            gather_blocks(layer, chunk, ids, None, dest)
             return
         assert slot.device_tmp is not None and ids_dev is not None
         with self.ctx.stream:
-            tmp = slot.device_tmp[: chunk.nbytes].view(layer.dtype).view(shape)
-            if run is not None:
-                tmp.copy_(layer[run : run + chunk.count])
-            else:
-                torch.index_select(
-                    layer, 0, ids_dev[chunk.first : chunk.first + chunk.count], out=tmp
-                )
+            gather_blocks(layer, chunk, ids, ids_dev, slot.device_tmp)
             slot.host[: chunk.nbytes].copy_(slot.device_tmp[: chunk.nbytes], non_blocking=True)
             slot.event.record(self.ctx.stream)
         slot.busy = True

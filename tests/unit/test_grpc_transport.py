@@ -185,5 +185,5 @@ def test_lease_is_never_freed_mid_transfer():
 
 
 def test_unknown_transport_name_lists_the_available_ones():
-    with pytest.raises(ValueError, match="available: grpc"):
+    with pytest.raises(ValueError, match="available: collective, grpc, shm"):
         create_transport("carrier-pigeon", TransportSettings(secret="x"))

@@ -36,6 +36,7 @@ class TransportSettings:
     connect_timeout_s: float = 5.0
     server_threads: int = 8
     pull_timeout_s: float = 30.0  # collective: bound on one send/recv (a stuck peer cannot hang us)
+    device: str = "cpu"  # the local KV cache's device (collective: where its buffers live)
 
 
 class CacheSink:

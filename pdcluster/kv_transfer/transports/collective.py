@@ -1,0 +1,403 @@
+"""Collective backend: KV moves as torch.distributed point-to-point send/recv between a P and a
+D worker; gRPC carries control (rendezvous, which request and blocks, errors) with the secret.
+
+Pair setup, on a consumer's first pull from a producer endpoint: the consumer calls
+`CollectiveOpen`; the producer opens its TCPStore (one per server, ephemeral port, on first use)
+and both sides build a standalone two-rank group over a PrefixStore keyed by a random group key
+(producer rank 0, consumer rank 1). It is never the default process group vLLM may have made and
+belongs to this pair only, so replicas can come and go with scaling. A consumer that opens again
+(its group broke) replaces its old pair.
+
+A pull: the consumer holds its pair's lock (one pull at a time per pair) and calls
+`CollectivePull` with a fresh tag; the producer holds the lease and the pair's lock, announces the
+chunk plan, then gathers chunk by chunk into two buffers on the cache's device and posts sends
+while the consumer posts recvs into two buffers and scatters each into its cache. A send/recv
+that fails or times out breaks the pair on both sides (the next pull opens a new one).
+
+Backend by device: gloo on CPU (tested here), NCCL on CUDA, HCCL on Ascend (torch_npu): the same
+code; only the backend name and the buffers' device differ. NCCL and HCCL are untested on
+hardware here (tools/kv_collective_device_check.py exercises them on a GPU host).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import secrets
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import grpc
+import torch
+
+from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache, chunk_plan
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.staging import DeviceContext, gather_blocks
+from pdcluster.kv_transfer.transports.base import (
+    Authorize,
+    ChunkSink,
+    ServerExtension,
+    Transport,
+    TransportClient,
+    TransportSettings,
+)
+from pdcluster.kv_transfer.transports.grpc_transport import SERVICE, GrpcClient, translate
+from pdcluster.protos import kv_transfer_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+# Device kind -> torch.distributed backend. "auto" uses the collective path only on accelerators.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+MAX_PAIRS = 64  # producer side: the oldest pairs are dropped beyond this (consumers come and go)
+PRODUCER, CONSUMER = 0, 1
+
+
+def backend_for(device_kind: str) -> str:
+    try:
+        return BACKENDS[device_kind]
+    except KeyError:
+        raise KVTransferError(f"no collective backend for device kind {device_kind!r}") from None
+
+
+def make_pair_group(backend: str, store, rank: int, timeout: timedelta, host: str):
+    """A standalone two-rank group (never the default group), ranks 0 = producer, 1 = consumer."""
+    if backend == "gloo":
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [
+            ProcessGroupGloo.create_default_device()
+            if host in ("", "0.0.0.0", "::")
+            else ProcessGroupGloo.create_device(hostname=host)
+        ]
+        return ProcessGroupGloo(store, rank, 2, options)
+    if backend == "nccl":
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(store, rank, 2, options)
+    if backend == "hccl":
+        # torch_npu (Ascend hosts only) registers the NPU device and HCCL.
+        importlib.import_module("torch_npu")
+        ProcessGroupHCCL = importlib.import_module("torch_npu._C._distributed_c10d").ProcessGroupHCCL
+
+        options = ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupHCCL(store, rank, 2, options)
+    raise KVTransferError(f"unknown collective backend {backend!r}")
+
+
+def local_address_towards(host: str) -> str:
+    """The local address this host uses to reach `host` (what gloo must bind to)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP connect sends nothing
+        return probe.getsockname()[0]
+
+
+class _Buffers:
+    """Two reusable chunk buffers on the cache's device (double buffering)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) < 2:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        buffer = self._buffers[index % 2]
+        if buffer.numel() < nbytes:
+            buffer = self._buffers[index % 2] = torch.empty(
+                nbytes, dtype=torch.uint8, device=self.device
+            )
+        return buffer[:nbytes]
+
+
+def send_chunks(group, cache: PagedKVCache, block_ids: Sequence[int], plan: list[Chunk],
+                ready_event, tag: int, buffers: _Buffers) -> int:
+    """Producer: gather each chunk into a buffer and send it; two sends in flight."""
+    ctx = DeviceContext(cache.device)
+    ctx.compute_stream_wait(ready_event)  # the forward pass wrote the blocks
+    index = ctx.index_tensor(block_ids)
+    works: list = [None, None]
+    sent = 0
+    for i, chunk in enumerate(plan):
+        if works[i % 2] is not None:
+            works[i % 2].wait()  # that buffer's previous send is done
+        buffer = buffers.get(i, chunk.nbytes)
+        gather_blocks(cache.tensors[chunk.layer_index], chunk, block_ids, index, buffer)
+        works[i % 2] = group.send([buffer], CONSUMER, tag)
+        sent += chunk.nbytes
+    for work in works:
+        if work is not None:
+            work.wait()
+    return sent
+
+
+def recv_chunks(group, device: torch.device, plan: list[Chunk], tag: int, buffers: _Buffers,
+                sink: ChunkSink) -> int:
+    """Consumer: receive the chunks in plan order (two recvs in flight) and hand each to sink."""
+    works: list = [None, None]
+
+    def post(i: int) -> None:
+        works[i % 2] = group.recv([buffers.get(i, plan[i].nbytes)], PRODUCER, tag)
+
+    for i in range(min(2, len(plan))):
+        post(i)
+    received = 0
+    for i, chunk in enumerate(plan):
+        works[i % 2].wait()
+        data = buffers.get(i, chunk.nbytes)
+        sink(chunk, data if device.type != "cpu" else memoryview(data.numpy()))
+        received += chunk.nbytes
+        if i + 2 < len(plan):
+            post(i + 2)
+    return received
+
+
+@dataclass
+class _Pair:
+    key: str
+    consumer: str
+    group: Future
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class CollectiveExtension(ServerExtension):
+    def __init__(self, producer: KVProducer, settings: TransportSettings, host: str):
+        self.producer = producer
+        self.settings = settings
+        self.device = producer.cache.device
+        self.backend = backend_for(self.device.type)
+        self.host = host
+        self._store = None
+        self._pairs: OrderedDict[str, _Pair] = OrderedDict()
+        self._lock = threading.Lock()
+        self._opener = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-collective")
+        self._buffers = _Buffers(self.device)
+        self._timeout = timedelta(seconds=settings.pull_timeout_s)
+
+    def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
+        def open_(request, context):
+            authorize(context)
+            return self._open(request)
+
+        def pull(request, context):
+            authorize(context)
+            yield from self._pull(request, context)
+
+        return {
+            "CollectiveOpen": grpc.unary_unary_rpc_method_handler(
+                open_,
+                request_deserializer=pb.CollectiveOpenRequest.FromString,
+                response_serializer=pb.CollectiveOpenResponse.SerializeToString,
+            ),
+            "CollectivePull": grpc.unary_stream_rpc_method_handler(
+                pull,
+                request_deserializer=pb.CollectivePullRequest.FromString,
+                response_serializer=pb.CollectiveProgress.SerializeToString,
+            ),
+        }
+
+    def _open(self, request: pb.CollectiveOpenRequest) -> pb.CollectiveOpenResponse:
+        if request.backend != self.backend or request.device_kind != self.device.type:
+            error = (
+                f"collective backend mismatch: prefill (producer) uses {self.backend} on "
+                f"{self.device.type}, decode (consumer) {request.backend} on {request.device_kind}"
+            )
+            logger.error("%s", error)
+            return pb.CollectiveOpenResponse(backend=self.backend, error=error)
+        from torch.distributed import PrefixStore, TCPStore
+
+        key = secrets.token_hex(16)
+        with self._lock:
+            if self._store is None:
+                self._store = TCPStore(
+                    self.host, 0, None, is_master=True, timeout=self._timeout,
+                    wait_for_workers=False,
+                )
+            store = self._store
+            for old in [p for p in self._pairs.values() if p.consumer == request.consumer_engine_id]:
+                del self._pairs[old.key]  # that consumer's previous group broke
+            while len(self._pairs) >= MAX_PAIRS:
+                self._pairs.popitem(last=False)
+            group = self._opener.submit(
+                make_pair_group, self.backend, PrefixStore(key, store), PRODUCER, self._timeout,
+                self.host,
+            )
+            self._pairs[key] = _Pair(key, request.consumer_engine_id, group)
+        logger.info("KV collective pair with %s (%s) opening", request.consumer_engine_id, self.backend)
+        return pb.CollectiveOpenResponse(store_port=store.port, group_key=key, backend=self.backend)
+
+    def _drop(self, pair: _Pair) -> None:
+        with self._lock:
+            self._pairs.pop(pair.key, None)
+
+    def _pull(self, request: pb.CollectivePullRequest, context) -> Iterator[pb.CollectiveProgress]:
+        with self._lock:
+            pair = self._pairs.get(request.group_key)
+        if pair is None:
+            context.abort(grpc.StatusCode.ABORTED, "unknown collective group: open a new one")
+        try:
+            group = pair.group.result(timeout=self._timeout.total_seconds())
+        except Exception as exc:  # rendezvous failed (timeout, peer gone): the pair is unusable
+            self._drop(pair)
+            context.abort(grpc.StatusCode.ABORTED, f"collective rendezvous failed: {exc}")
+        pull = request.pull
+        block_ids = list(pull.block_ids)
+        with pair.lock:
+            try:
+                with self.producer.leased(
+                    pull.request_id, block_ids, pull.protocol_version, pull.layout_digest
+                ) as lease:
+                    chunk_bytes = self.producer.chunk_bytes(pull.max_chunk_bytes)
+                    plan = self.producer.cache.chunk_plan(len(block_ids), chunk_bytes)
+                    yield pb.CollectiveProgress(num_chunks=len(plan), chunk_bytes=chunk_bytes)
+                    sent = send_chunks(
+                        group, self.producer.cache, block_ids, plan, lease.ready_event,
+                        request.tag, self._buffers,
+                    )
+                    self.producer.bytes_sent += sent
+                yield pb.CollectiveProgress(bytes_sent=sent, done=True)
+            except LeaseNotFoundError as exc:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except HandshakeError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except RuntimeError as exc:  # torch.distributed errors (DistError is one)
+                self._drop(pair)
+                context.abort(grpc.StatusCode.ABORTED, f"collective send failed: {exc}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._pairs.clear()
+            self._store = None
+        self._opener.shutdown(wait=False, cancel_futures=True)
+
+
+class CollectiveClient(GrpcClient):
+    def __init__(self, endpoint: str, settings: TransportSettings):
+        super().__init__(endpoint, settings)
+        self.device = torch.device(settings.device)
+        self.backend = backend_for(self.device.type)
+        self._open = self.channel.unary_unary(
+            f"/{SERVICE}/CollectiveOpen",
+            request_serializer=pb.CollectiveOpenRequest.SerializeToString,
+            response_deserializer=pb.CollectiveOpenResponse.FromString,
+        )
+        self._collective_pull = self.channel.unary_stream(
+            f"/{SERVICE}/CollectivePull",
+            request_serializer=pb.CollectivePullRequest.SerializeToString,
+            response_deserializer=pb.CollectiveProgress.FromString,
+        )
+        self._pair_lock = threading.Lock()
+        self._group = None
+        self._key = ""
+        self._tag = 0
+        self._buffers = _Buffers(self.device)
+        self._timeout = timedelta(seconds=settings.pull_timeout_s)
+
+    def _ensure_group(self, engine_id: str):
+        if self._group is not None:
+            return self._group
+        try:
+            reply = self._open(
+                pb.CollectiveOpenRequest(
+                    consumer_engine_id=engine_id, backend=self.backend, device_kind=self.device.type
+                ),
+                metadata=self.metadata,
+                timeout=self.settings.connect_timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            raise translate(exc, self.endpoint, "KV collective open") from None
+        if reply.error:
+            raise HandshakeError(reply.error)
+        from torch.distributed import PrefixStore, TCPStore
+
+        host = self.endpoint.rpartition(":")[0].strip("[]")
+        try:
+            store = TCPStore(host, reply.store_port, None, is_master=False, timeout=self._timeout)
+            self._group = make_pair_group(
+                self.backend, PrefixStore(reply.group_key, store), CONSUMER, self._timeout,
+                local_address_towards(host),
+            )
+        except (RuntimeError, OSError) as exc:
+            raise KVTransferError(
+                f"collective rendezvous with {self.endpoint} ({self.backend}) failed: {exc}"
+            ) from exc
+        self._key = reply.group_key
+        logger.info("KV collective pair with %s ready (%s)", self.endpoint, self.backend)
+        return self._group
+
+    def pull(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        sink: ChunkSink,
+        *,
+        engine_id: str,
+        timeout_s: float,
+    ) -> int:
+        request = self.pull_request(request_id, block_ids, engine_id)
+        assert self._remote_layout is not None
+        row_bytes = [spec.block_bytes for spec in self._remote_layout.layers]
+        with self._pair_lock:
+            group = self._ensure_group(engine_id)
+            self._tag = self._tag % (1 << 30) + 1
+            call = self._collective_pull(
+                pb.CollectivePullRequest(pull=request, group_key=self._key, tag=self._tag),
+                metadata=self.metadata,
+                timeout=timeout_s,
+            )
+            try:
+                announced = next(call, None)
+                if announced is None:
+                    raise KVTransferError(f"producer {self.endpoint} ended the pull unannounced")
+                plan = chunk_plan(row_bytes, len(block_ids), announced.chunk_bytes)
+                if len(plan) != announced.num_chunks:
+                    raise KVTransferError(
+                        f"producer {self.endpoint} announced {announced.num_chunks} chunks of "
+                        f"{announced.chunk_bytes} bytes, this consumer plans {len(plan)}"
+                    )
+                received = recv_chunks(group, self.device, plan, self._tag, self._buffers, sink)
+                done = next(call, None)
+                if done is None or not done.done or done.bytes_sent != received:
+                    raise KVTransferError(
+                        f"producer {self.endpoint} sent {done.bytes_sent} bytes, received {received}"
+                    )
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    self._group = None  # the producer dropped the pair: open a new one next time
+                raise translate(exc, self.endpoint, f"KV collective pull of {request_id}") from None
+            except RuntimeError as exc:  # send/recv failed or timed out: the pair is broken
+                call.cancel()
+                self._group = None
+                raise KVTransferError(
+                    f"KV collective pull of {request_id} from {self.endpoint}: {exc}"
+                ) from exc
+            except BaseException:
+                call.cancel()
+                self._group = None  # recvs may still be posted: never reuse this group
+                raise
+        return self.check_total(request_id, block_ids, received)
+
+    def close(self) -> None:
+        self._group = None
+        super().close()
+
+
+class CollectiveTransport(Transport):
+    name = "collective"
+
+    def server_extension(self, producer: KVProducer, host: str) -> CollectiveExtension:
+        return CollectiveExtension(producer, self.settings, host)
+
+    def connect(self, endpoint: str) -> TransportClient:
+        return CollectiveClient(endpoint, self.settings)
