@@ -258,7 +258,8 @@ def format_status(status: dict[str, Any]) -> str:
                 f"({stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']} drafts)"
             )
         if r.get("kv_backend"):
-            notes.append(f"kv {r['kv_backend']}")
+            pairs = ", ".join(f"{peer}→{b}" for peer, b in sorted((r.get("kv_backends") or {}).items()))
+            notes.append(f"kv {r['kv_backend']}" + (f": {pairs}" if pairs else ""))
         lines.append(
             f"{r['replica']:<14}{r['role']:<11}{(r['node'] or '-'):<16}{r['state']:<10}{r['inflight']:>5}"
             f"{r['running']:>5}{r['waiting']:>5}{r['kv_cache_usage'] * 100:>6.1f}{ttft:>17}{itl:>16}  {'; '.join(notes)}"

@@ -138,7 +138,12 @@ class RouterFaultInjection(_Model):
 
 
 class KVTransferSection(_Model):
-    backend: Literal["grpc"] = Field("grpc", description="KV transport backend.")
+    backend: Literal["auto", "grpc", "shm", "collective"] = Field(
+        "auto",
+        description="KV transport: auto (shm on one node, collective between same-kind "
+        "accelerators, else grpc), or force grpc, shm (same node) or collective "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA, HCCL on Ascend).",
+    )
     bind_host: str = Field("127.0.0.1", description="Address KV servers bind to.")
     advertise_host: str | None = Field(
         None, description="Address decode engines dial; default: bind_host (or the node IP for 0.0.0.0)."

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -33,6 +33,7 @@ class EngineStats:
     kv_pull_seconds: float = 0.0
     kv_leases_released: int = 0
     kv_leases_expired: int = 0
+    kv_backends: dict[str, str] = field(default_factory=dict)  # producer engine -> KV backend
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -77,6 +78,9 @@ class EngineStatsRecorder(StatLoggerBase):
             kv = scheduler_stats.kv_connector_stats
             if kv:
                 for key, value in kv.items():
+                    if key == "backends":
+                        s.kv_backends.update(value)
+                        continue
                     if key == "failures":
                         self._failures.update(value)
                         while len(self._failures) > MAX_FAILURES:

@@ -31,7 +31,10 @@ REMOTE_BLOCK_IDS = "remote_block_ids"
 REMOTE_NUM_TOKENS = "remote_num_tokens"
 REMOTE_ENDPOINTS = "remote_endpoints"  # one "host:port" per tensor-parallel rank
 REMOTE_LEASE_EXPIRY = "remote_lease_expiry"  # unix time after which P frees the blocks
-TRANSPORT = "transport"
+TRANSPORT = "transport"  # the producer's configured kv_transfer.backend
+KV_BACKENDS = "kv_backends"  # the backends the producer's KV server offers
+KV_NODE = "kv_node"  # the producer's node identity (transports/selection.py)
+KV_DEVICE = "kv_device"  # the producer's KV cache device kind: cpu | cuda | npu
 PROTOCOL = "kv_protocol_version"
 # Internal markers (never sent by clients).
 _PULL_PLANNED = "_pdcluster_pull_planned"
@@ -48,6 +51,9 @@ class RemotePrefill:
     block_ids: tuple[int, ...]
     num_tokens: int
     transport: str
+    offers: tuple[str, ...] = ()
+    node_id: str = ""
+    device_kind: str = ""
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
@@ -68,6 +74,9 @@ class RemotePrefill:
                 block_ids=tuple(int(b) for b in params[REMOTE_BLOCK_IDS]),
                 num_tokens=int(params[REMOTE_NUM_TOKENS]),
                 transport=str(params.get(TRANSPORT, "grpc")),
+                offers=tuple(str(b) for b in params.get(KV_BACKENDS) or [params.get(TRANSPORT, "grpc")]),
+                node_id=str(params.get(KV_NODE, "")),
+                device_kind=str(params.get(KV_DEVICE, "")),
             )
         except KeyError as exc:
             raise ValueError(f"kv_transfer_params lacks {exc.args[0]!r}") from None
@@ -105,7 +114,10 @@ class PDConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """Worker -> scheduler at startup: where this rank's KV server listens."""
+    """Worker -> scheduler at startup: where this rank's KV server listens, what it offers."""
 
     endpoint: str | None
     transport: str
+    offers: tuple[str, ...] = ()
+    node_id: str = ""
+    device_kind: str = ""

@@ -63,6 +63,7 @@ class ConnectorScheduler:
         # anyway) so D's draft-layer KV never holds unverified drafts (vLLM's NIXL does the same).
         self.prefill_backoff = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
         self.endpoints: list[str | None] = [None] * self.tp_size
+        self.server_info: PDHandshakeMetadata | None = None  # rank 0's offers, node, device
         self._meta = PDConnectorMetadata()
 
     # -- startup ---------------------------------------------------------------------------
@@ -71,6 +72,8 @@ class ConnectorScheduler:
         for tp_rank, meta in metadata.items():
             if isinstance(meta, PDHandshakeMetadata) and 0 <= tp_rank < self.tp_size:
                 self.endpoints[tp_rank] = meta.endpoint
+                if tp_rank == 0:
+                    self.server_info = meta
         if self.is_producer:
             logger.info("KV endpoints of engine %s: %s", self.engine_id, self.endpoints)
 
@@ -199,6 +202,9 @@ class ConnectorScheduler:
             md.REMOTE_NUM_TOKENS: request.num_computed_tokens,
             md.REMOTE_LEASE_EXPIRY: expiry,
             md.TRANSPORT: self.settings.transport,
+            md.KV_BACKENDS: list(self.server_info.offers) if self.server_info else [],
+            md.KV_NODE: self.server_info.node_id if self.server_info else "",
+            md.KV_DEVICE: self.server_info.device_kind if self.server_info else "",
             md.PROTOCOL: PROTOCOL_VERSION,
             "tp_size": self.tp_size,
         }

@@ -23,6 +23,8 @@ COUNTERS = (
 
 
 FAILURES = "failures"  # consumer request id -> why its pull failed (for the router's error)
+BACKENDS = "backends"  # producer engine id -> the KV backend this consumer uses with it
+_MAPS = (FAILURES, BACKENDS)
 
 
 @dataclass
@@ -30,7 +32,8 @@ class PDTransferStats(KVConnectorStats):
     def __post_init__(self) -> None:
         for key in COUNTERS:
             self.data.setdefault(key, 0)
-        self.data.setdefault(FAILURES, {})
+        for key in _MAPS:
+            self.data.setdefault(key, {})
 
     def add(self, key: str, value: float = 1) -> None:
         self.data[key] += value
@@ -38,20 +41,24 @@ class PDTransferStats(KVConnectorStats):
     def add_failure(self, request_id: str, reason: str) -> None:
         self.data[FAILURES][request_id] = reason
 
+    def set_backend(self, producer_engine_id: str, backend: str) -> None:
+        self.data[BACKENDS][producer_engine_id] = backend
+
     def reset(self) -> None:
         self.data = {key: 0 for key in COUNTERS}
-        self.data[FAILURES] = {}
+        for key in _MAPS:
+            self.data[key] = {}
 
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
         for key, value in other.data.items():
-            if key == FAILURES:
-                self.data.setdefault(FAILURES, {}).update(value)
+            if key in _MAPS:
+                self.data.setdefault(key, {}).update(value)
             else:
                 self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, Any]:
-        return {key: value for key, value in self.data.items() if key != FAILURES}
+        return {key: value for key, value in self.data.items() if key not in _MAPS}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())

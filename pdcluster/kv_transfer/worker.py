@@ -5,9 +5,10 @@ announced by the scheduler are registered with the event recorded after the prev
 forward (the one that wrote their blocks), and released/expired leases are reported as
 `finished_sending` so vLLM frees the blocks.
 
-Consumer: pulls announced by the scheduler run on a small thread pool: connect + handshake (once
-per producer endpoint), stream the blocks into the local cache through the staging scatterer,
-then release the producer's lease. Completed pulls are reported as `finished_recving` after the
+Consumer: pulls announced by the scheduler run on a small thread pool: pick the backend for this
+producer (transports/selection.py), connect + handshake (once per producer endpoint and backend),
+move the blocks into the local cache through the staging scatterer, then release the producer's
+lease. Completed pulls are reported as `finished_recving` after the
 compute stream was made to wait on their copy event; failed ones also as `failed_recving`, and
 vLLM recomputes or fails the request per `kv_load_failure_policy`. Every pull has a deadline.
 """
@@ -36,8 +37,15 @@ from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import ConnectorSettings
 from pdcluster.kv_transfer.stats import PDTransferStats
 from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext, Pool
-from pdcluster.kv_transfer.transports import create_transport
-from pdcluster.kv_transfer.transports.base import TransportClient, TransportServer, TransportSettings
+from pdcluster.kv_transfer.transports import create_transport, serve_backends
+from pdcluster.kv_transfer.transports.base import (
+    CacheSink,
+    Transport,
+    TransportClient,
+    TransportServer,
+    TransportSettings,
+)
+from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +83,8 @@ class ConnectorWorker:
         self.tp_rank = tp_rank
         self.is_producer = is_producer
         self.is_consumer = is_consumer
-        self.transport = create_transport(
-            settings.transport,
-            TransportSettings(
-                secret=settings.secret,
-                max_chunk_bytes=settings.max_chunk_bytes,
-            ),
-        )
+        self._transports: dict[str, Transport] = {}
+        self.offers: list[str] = []
         self.cache: PagedKVCache | None = None
         self.ctx: DeviceContext | None = None
         self.producer: KVProducer | None = None
@@ -89,8 +92,8 @@ class ConnectorWorker:
         self._last_step_event = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[PullResult]] = {}
-        self._clients: dict[str, TransportClient] = {}
-        self._verified: set[str] = set()
+        self._clients: dict[tuple[str, str], TransportClient] = {}  # (endpoint, backend)
+        self._verified: set[tuple[str, str]] = set()
         self._clients_lock = threading.Lock()
         self._scatterers: Pool[BlockScatterer] | None = None
         self.stats = PDTransferStats()
@@ -107,6 +110,7 @@ class ConnectorWorker:
             tp_rank=self.tp_rank,
         )
         self.ctx = DeviceContext(self.cache.device)
+        self.offers = offered_backends(self.settings.transport, self.cache.device.type)
         logger.info(
             "KV cache registered: %d layers, %d blocks, %d bytes/block, device %s",
             len(self.cache.layer_names), self.cache.num_blocks,
@@ -129,6 +133,24 @@ class ConnectorWorker:
                 max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull"
             )
 
+    def _transport_settings(self) -> TransportSettings:
+        assert self.cache is not None
+        return TransportSettings(
+            secret=self.settings.secret,
+            max_chunk_bytes=self.settings.max_chunk_bytes,
+            pull_timeout_s=self.settings.pull_timeout_s,
+            device=str(self.cache.device),
+        )
+
+    def _transport(self, name: str) -> Transport:
+        with self._clients_lock:
+            transport = self._transports.get(name)
+            if transport is None:
+                transport = self._transports[name] = create_transport(
+                    name, self._transport_settings()
+                )
+            return transport
+
     def _bind_server(self) -> TransportServer:
         assert self.producer is not None
         lo, hi = self.settings.port_range
@@ -136,7 +158,10 @@ class ConnectorWorker:
         last_error: Exception | None = None
         for port in ports:
             try:
-                return self.transport.serve(self.producer, self.settings.bind_host, port)
+                return serve_backends(
+                    self.offers, self._transport_settings(), self.producer,
+                    self.settings.bind_host, port,
+                )
             except KVTransferError as exc:
                 last_error = exc
         raise KVTransferError(
@@ -149,7 +174,13 @@ class ConnectorWorker:
         if self.server is not None:
             port = self.server.address.rpartition(":")[2]
             endpoint = f"{self.settings.host_for_peers}:{port}"
-        return PDHandshakeMetadata(endpoint=endpoint, transport=self.settings.transport)
+        return PDHandshakeMetadata(
+            endpoint=endpoint,
+            transport=self.settings.transport,
+            offers=tuple(self.offers),
+            node_id=node_id(),
+            device_kind=self.cache.device.type if self.cache is not None else "",
+        )
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -219,13 +250,21 @@ class ConnectorWorker:
 
     # -- consumer internals ------------------------------------------------------------------
 
-    def _connection(self, remote: RemotePrefill) -> TransportClient:
+    def backend_for(self, remote: RemotePrefill) -> str:
+        """The backend this consumer uses with that producer (raises naming both sides)."""
+        assert self.cache is not None
+        return choose_backend(
+            self.settings.transport,
+            local_node=node_id(),
+            local_device=self.cache.device.type,
+            remote_node=remote.node_id,
+            remote_device=remote.device_kind,
+            remote_offers=remote.offers,
+            remote_engine=remote.engine_id,
+        )
+
+    def _connection(self, remote: RemotePrefill, backend: str = "grpc") -> TransportClient:
         """A (cached) client for this rank's producer endpoint; no handshake implied."""
-        if remote.transport != self.settings.transport:
-            raise KVTransferError(
-                f"producer {remote.engine_id} uses transport {remote.transport!r}, "
-                f"this consumer uses {self.settings.transport!r}"
-            )
         if len(remote.endpoints) != self.tp_size:
             raise KVTransferError(
                 f"producer {remote.engine_id} has {len(remote.endpoints)} tensor-parallel ranks, "
@@ -234,23 +273,24 @@ class ConnectorWorker:
         endpoint = remote.endpoints[self.tp_rank]
         if self.settings.faults.should_dial_unreachable():
             endpoint = "127.0.0.1:1"  # injected fault: nothing listens there
+        transport = self._transport(backend)
         with self._clients_lock:
-            client = self._clients.get(endpoint)
+            client = self._clients.get((endpoint, backend))
             if client is None:
-                client = self._clients[endpoint] = self.transport.connect(endpoint)
+                client = self._clients[(endpoint, backend)] = transport.connect(endpoint)
             return client
 
-    def _verified_connection(self, remote: RemotePrefill) -> TransportClient:
+    def _verified_connection(self, remote: RemotePrefill, backend: str) -> TransportClient:
         """A client whose producer passed the layout handshake (done once per endpoint)."""
-        client = self._connection(remote)
-        endpoint = remote.endpoints[self.tp_rank]
+        client = self._connection(remote, backend)
+        key = (remote.endpoints[self.tp_rank], backend)
         with self._clients_lock:
-            verified = endpoint in self._verified
+            verified = key in self._verified
         if not verified:
             assert self.cache is not None
             client.handshake(self.cache.layout, self.engine_id)  # raises HandshakeError
             with self._clients_lock:
-                self._verified.add(endpoint)
+                self._verified.add(key)
         return client
 
     def _submit_pull(self, spec: PullSpec) -> None:
@@ -272,7 +312,9 @@ class ConnectorWorker:
         try:
             if faults.pull_delay_s:
                 time.sleep(faults.pull_delay_s)  # injected fault: a stalled consumer
-            client = self._verified_connection(spec.remote)  # a layout mismatch says so first
+            backend = self.backend_for(spec.remote)
+            self.stats.set_backend(spec.remote.engine_id, backend)
+            client = self._verified_connection(spec.remote, backend)  # layout mismatch first
             if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:
                 raise KVTransferError(
                     f"cannot map {len(spec.remote_block_ids)} producer blocks onto "
@@ -283,10 +325,11 @@ class ConnectorWorker:
             with self._scatterers.get() as scatterer:
                 scatterer.begin(spec.local_block_ids)
 
-                def sink(chunk, data):
-                    scatterer.write(chunk, data)
+                def after_chunk(chunk):
                     if inject_failure:
                         raise faults.failure(spec.request_id)
+
+                sink = CacheSink(scatterer, after_chunk)
 
                 try:
                     nbytes = client.pull(
@@ -317,7 +360,11 @@ class ConnectorWorker:
 
     def _release(self, remote: RemotePrefill, transferred: bool) -> None:
         try:
-            self._connection(remote).release(
+            try:
+                backend = self.backend_for(remote)
+            except KVTransferError:
+                backend = "grpc"  # every producer's control server answers Release
+            self._connection(remote, backend).release(
                 remote.request_id,
                 transferred=transferred,
                 engine_id=self.engine_id,

@@ -395,6 +395,8 @@ class Controller:
                         "async_scheduling": info.get("async_scheduling"),
                         "async_scheduling_reason": info.get("async_scheduling_reason", ""),
                         "kv_backend": self.config.kv_transfer.backend if r.role != "aggregated" else None,
+                        # decode: the backend used with each prefill engine it pulled from
+                        "kv_backends": stats.get("kv_backends") or {},
                         "rss_bytes": info.get("rss_bytes"),
                         "stats": stats,
                         "transitions": r.transitions,

@@ -1,0 +1,123 @@
+"""Which KV backend a P/D pair uses: config values, the consumer's choice, what status shows."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.cli import format_status
+from pdcluster.config import KVTransferSection
+from pdcluster.errors import KVTransferError
+from pdcluster.kv_transfer import metadata as md
+from pdcluster.kv_transfer.metadata import RemotePrefill
+from pdcluster.kv_transfer.stats import PDTransferStats
+from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
+
+ALL = ("grpc", "shm", "collective")
+
+
+def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL):
+    return choose_backend(
+        configured,
+        local_node="node-a",
+        local_device=local,
+        remote_node="node-a" if same_node else "node-b",
+        remote_device=remote,
+        remote_offers=offers,
+        remote_engine="p0",
+    )
+
+
+@pytest.mark.parametrize(
+    ("same_node", "local", "remote", "offers", "expected"),
+    [
+        (True, "cpu", "cpu", ALL, "shm"),
+        (False, "cpu", "cpu", ALL, "grpc"),  # gloo over TCP is no faster than gRPC here
+        (False, "cuda", "cuda", ALL, "collective"),
+        (False, "npu", "npu", ALL, "collective"),
+        (False, "cuda", "npu", ALL, "grpc"),
+        (True, "cuda", "cuda", ALL, "shm"),
+        (True, "cpu", "cpu", ("grpc",), "grpc"),  # the producer forced grpc
+    ],
+)
+def test_auto_picks_by_node_and_device(same_node, local, remote, offers, expected):
+    assert choose("auto", same_node=same_node, local=local, remote=remote, offers=offers) == expected
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_a_forced_backend_is_used_when_offered(backend):
+    assert choose(backend, same_node=True) == backend
+
+
+def test_forced_backend_not_offered_names_both_sides():
+    with pytest.raises(KVTransferError, match=r"offers KV backends \['grpc'\], this consumer is configured for 'shm'"):
+        choose("shm", same_node=True, offers=("grpc",))
+
+
+def test_forced_shm_across_nodes_names_both_nodes():
+    with pytest.raises(KVTransferError, match="producer p0 is on node-b, this consumer on node-a"):
+        choose("shm", same_node=False)
+
+
+def test_forced_collective_across_device_kinds_is_refused():
+    with pytest.raises(KVTransferError, match="producer p0 has npu, this consumer cuda"):
+        choose("collective", same_node=False, local="cuda", remote="npu")
+
+
+def test_producer_offers():
+    assert offered_backends("auto", "cpu") == ["grpc", "shm", "collective"]
+    assert offered_backends("shm", "cpu") == ["shm"]
+    with pytest.raises(KVTransferError, match="choose one of"):
+        offered_backends("pigeon", "cpu")
+
+
+def test_node_id_is_stable_and_names_the_host():
+    import socket
+
+    assert node_id() == node_id()
+    assert node_id().startswith(socket.gethostname() + "/")
+
+
+def test_params_carry_the_producer_offer():
+    params = {
+        md.REMOTE_ENGINE_ID: "p0", md.REMOTE_REQUEST_ID: "r", md.REMOTE_ENDPOINTS: ["h:1"],
+        md.REMOTE_BLOCK_IDS: [1], md.REMOTE_NUM_TOKENS: 3, md.TRANSPORT: "auto",
+        md.KV_BACKENDS: ["grpc", "shm"], md.KV_NODE: "n", md.KV_DEVICE: "cpu",
+    }
+    remote = RemotePrefill.from_params(params)
+    assert (remote.offers, remote.node_id, remote.device_kind) == (("grpc", "shm"), "n", "cpu")
+    # Params from a producer that predates the offer: its configured transport is the offer.
+    for key in (md.KV_BACKENDS, md.KV_NODE, md.KV_DEVICE):
+        del params[key]
+    params[md.TRANSPORT] = "grpc"
+    assert RemotePrefill.from_params(params).offers == ("grpc",)
+
+
+def test_config_backend_values():
+    assert KVTransferSection().backend == "auto"
+    for value in ("auto", "grpc", "shm", "collective"):
+        assert KVTransferSection(backend=value).backend == value
+    with pytest.raises(ValueError):
+        KVTransferSection(backend="rdma")
+
+
+def test_stats_merge_backends_per_producer():
+    a, b = PDTransferStats(), PDTransferStats()
+    a.set_backend("p0", "shm")
+    b.set_backend("p1", "grpc")
+    merged = a.aggregate(b)
+    assert merged.data["backends"] == {"p0": "shm", "p1": "grpc"}
+    assert "backends" not in merged.reduce()
+    assert not a.is_empty()
+
+
+def test_status_table_shows_backend_per_pair():
+    row = {
+        "replica": "decode-0", "role": "decode", "node": "n1", "state": "ready", "stage": "",
+        "error": "", "inflight": 0, "running": 0, "waiting": 0, "kv_cache_usage": 0.0,
+        "ttft_p50": None, "ttft_p99": None, "itl_p50": None, "itl_p99": None,
+        "prefill_p50": None, "prefill_p99": None, "async_scheduling": True,
+        "async_scheduling_reason": "", "kv_backend": "auto",
+        "kv_backends": {"c-prefill-0": "shm", "c-prefill-1": "grpc"}, "stats": {},
+    }
+    status = {"name": "c", "mode": "pd", "model": "m", "endpoint": "e", "replicas": [row]}
+    assert "kv auto: c-prefill-0→shm, c-prefill-1→grpc" in format_status(status)

@@ -1,0 +1,230 @@
+"""The shm and collective transports between two real processes on 127.0.0.1.
+
+A spawned producer process serves a cache with leased requests over one control server that
+offers every backend; this process pulls through the real clients into its own cache. shm moves
+bytes through /dev/shm (ring) or cross-process copies (direct); collective through a real gloo
+pair group built on first use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import stat
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from pdcluster.errors import AuthenticationError, LeaseNotFoundError
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.staging import BlockScatterer
+from pdcluster.kv_transfer.transports import create_transport, serve_backends
+from pdcluster.kv_transfer.transports.base import CacheSink, TransportSettings
+from pdcluster.kv_transfer.transports.shm import SEGMENT_PREFIX, SHM_DIR
+from tests.unit.kv_fixtures import make_cache
+
+SECRET = "fast-transport-secret"
+CHUNK = 4096  # small chunks: many per pull, so the ring wraps and sends pipeline
+REQUESTS = {"req-a": [3, 9, 10, 11, 60], "req-b": list(range(20, 40)), "req-c": [1, 2]}
+
+
+def settings(**overrides) -> TransportSettings:
+    return TransportSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_s=20, **overrides)
+
+
+def producer_main(conn) -> None:
+    cache = make_cache(seed=7)
+    producer = KVProducer(cache, "prefill-0", max_chunk_bytes=CHUNK, lease_wait_s=0.5)
+    for request_id, ids in REQUESTS.items():
+        producer.leases.add(request_id, ids, time.monotonic() + 600)
+    server = serve_backends(["grpc", "shm", "collective"], settings(), producer, "127.0.0.1", 0)
+    conn.send(server.address)
+    while (command := conn.recv()) != "stop":
+        if command == "segments":
+            conn.send(sorted(p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*")))
+        elif command == "released":
+            conn.send(sorted(lease.request_id for lease in producer.leases.collect_finished()))
+    server.stop(0)
+    conn.send(os.getpid())
+
+
+@pytest.fixture(scope="module")
+def producer_process():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=producer_main, args=(child,))
+    proc.start()
+    try:
+        yield parent.recv(), parent
+    finally:
+        parent.send("stop")
+        pid = parent.recv()
+        proc.join(30)
+        # Every segment is unlinked when the server stops.
+        assert not list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{pid}-*"))
+
+
+def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool):
+    consumer = make_cache(fill="zeros")
+    client = create_transport(backend, settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin(dst_ids)
+        # A plain callable sink never offers the cache for direct copies: the shm ring is used.
+        sink = CacheSink(scatterer) if direct else scatterer.write
+        nbytes = client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=20)
+    finally:
+        client.close()
+    return consumer, nbytes
+
+
+def assert_copied(consumer, request_id, dst_ids) -> None:
+    source = make_cache(seed=7)
+    for src, dst in zip(source.tensors, consumer.tensors):
+        assert torch.equal(dst[dst_ids], src[REQUESTS[request_id]])
+
+
+@pytest.mark.parametrize(
+    ("backend", "direct"), [("shm", True), ("shm", False), ("collective", False)]
+)
+@pytest.mark.parametrize("request_id", ["req-a", "req-b"])
+def test_pull_copies_blocks_exactly(producer_process, backend, direct, request_id):
+    address, _ = producer_process
+    dst_ids = [50 - i for i in range(len(REQUESTS[request_id]))]
+    consumer, nbytes = pull(backend, address, request_id, dst_ids, direct=direct)
+    assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
+    assert_copied(consumer, request_id, dst_ids)
+
+
+def test_shm_segments_are_private_to_this_user(producer_process):
+    address, conn = producer_process
+    pull("shm", address, "req-c", [5, 6], direct=False)
+    conn.send("segments")
+    names = conn.recv()
+    assert names  # the ring of the pull above, kept for reuse until the server stops
+    for name in names:
+        mode = stat.S_IMODE((SHM_DIR / name).stat().st_mode)
+        assert mode == 0o600, f"{name} has mode {mode:o}"
+
+
+def test_collective_pulls_from_threads_are_serialized_per_pair(producer_process):
+    """Concurrent pulls share one pair group; each gets its own bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    client = create_transport("collective", settings()).connect(address)
+    client.handshake(consumer.layout, "decode-1")
+    plans = {"req-a": [40, 41, 42, 43, 44], "req-b": list(range(0, 20)), "req-c": [60, 61]}
+
+    def one(request_id):
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin(plans[request_id])
+        return client.pull(request_id, REQUESTS[request_id], scatterer.write, engine_id="decode-1", timeout_s=20)
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(one, list(plans) * 2))
+    finally:
+        client.close()
+    for request_id, dst_ids in plans.items():
+        assert_copied(consumer, request_id, dst_ids)
+
+
+@pytest.mark.parametrize("backend", ["shm", "collective"])
+def test_unknown_request_is_not_found(producer_process, backend):
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    client = create_transport(backend, settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin([1])
+        with pytest.raises(LeaseNotFoundError):
+            client.pull("nope", [1], CacheSink(scatterer), engine_id="decode-0", timeout_s=20)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("method", ["ShmPull", "CollectiveOpen"])
+def test_wrong_secret_learns_no_segment_or_group(producer_process, method):
+    from pdcluster.kv_transfer.transports.grpc_transport import SERVICE
+    from pdcluster.protos import kv_transfer_pb2 as pb
+
+    address, _ = producer_process
+    with grpc.insecure_channel(address) as channel:
+        if method == "ShmPull":
+            call = channel.stream_stream(
+                f"/{SERVICE}/ShmPull",
+                request_serializer=pb.ShmPullRequest.SerializeToString,
+                response_deserializer=pb.ShmChunk.FromString,
+            )
+            request = pb.ShmPullRequest(pull=pb.PullRequest(request_id="req-a", block_ids=[3]))
+            with pytest.raises(grpc.RpcError) as info:
+                list(call(iter([request]), metadata=(("x-pdcluster-kv-secret", "wrong"),), timeout=10))
+        else:
+            call = channel.unary_unary(
+                f"/{SERVICE}/CollectiveOpen",
+                request_serializer=pb.CollectiveOpenRequest.SerializeToString,
+                response_deserializer=pb.CollectiveOpenResponse.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                call(pb.CollectiveOpenRequest(backend="gloo", device_kind="cpu"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_wrong_secret_client_is_refused(producer_process):
+    address, _ = producer_process
+    client = create_transport("shm", TransportSettings(secret="wrong")).connect(address)
+    try:
+        with pytest.raises(AuthenticationError):
+            client.handshake(make_cache().layout, "intruder")
+    finally:
+        client.close()
+
+
+def test_collective_backend_mismatch_names_both_sides(producer_process):
+    """A consumer on another device kind is refused at open, naming both backends."""
+    from pdcluster.errors import HandshakeError
+    from pdcluster.kv_transfer.transports.collective import CollectiveClient
+
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    client = CollectiveClient(address, settings())
+    client.backend = "nccl"  # what a CUDA consumer would ask for
+    try:
+        client.handshake(consumer.layout, "decode-gpu")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin([1])
+        with pytest.raises(HandshakeError, match="producer\\) uses gloo on cpu, decode \\(consumer\\) nccl"):
+            client.pull("req-c", REQUESTS["req-c"], scatterer.write, engine_id="decode-gpu", timeout_s=20)
+    finally:
+        client.close()
+
+
+def test_segment_files_are_unlinked_on_stop(tmp_path):
+    cache = make_cache()
+    producer = KVProducer(cache, "prefill-x", max_chunk_bytes=CHUNK)
+    producer.leases.add("r", [1, 2, 3], time.monotonic() + 60)
+    server = create_transport("shm", settings()).serve(producer, "127.0.0.1", 0)
+    try:
+        consumer, _ = pull_local(server.address)
+    finally:
+        server.stop(0)
+    assert not list(Path(SHM_DIR).glob(f"{SEGMENT_PREFIX}{os.getpid()}-*"))
+
+
+def pull_local(address):
+    consumer = make_cache(fill="zeros")
+    client = create_transport("shm", settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin([7, 8, 9])
+        return consumer, client.pull("r", [1, 2, 3], scatterer.write, engine_id="decode-0", timeout_s=20)
+    finally:
+        client.close()
