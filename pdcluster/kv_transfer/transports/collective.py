@@ -35,7 +35,7 @@ from datetime import timedelta
 import grpc
 import torch
 
-from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.errors import HandshakeError, KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache, chunk_plan
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.staging import DeviceContext, gather_blocks
@@ -47,7 +47,12 @@ from pdcluster.kv_transfer.transports.base import (
     TransportClient,
     TransportSettings,
 )
-from pdcluster.kv_transfer.transports.grpc_transport import SERVICE, GrpcClient, translate
+from pdcluster.kv_transfer.transports.grpc_transport import (
+    SERVICE,
+    GrpcClient,
+    pull_errors_abort,
+    translate,
+)
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -252,7 +257,7 @@ class CollectiveExtension(ServerExtension):
             context.abort(grpc.StatusCode.ABORTED, f"collective rendezvous failed: {exc}")
         pull = request.pull
         block_ids = list(pull.block_ids)
-        with pair.lock:
+        with pair.lock, pull_errors_abort(context):
             try:
                 with self.producer.leased(
                     pull.request_id, block_ids, pull.protocol_version, pull.layout_digest
@@ -266,10 +271,6 @@ class CollectiveExtension(ServerExtension):
                     )
                     self.producer.bytes_sent += sent
                 yield pb.CollectiveProgress(bytes_sent=sent, done=True)
-            except LeaseNotFoundError as exc:
-                context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            except HandshakeError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except RuntimeError as exc:  # torch.distributed errors (DistError is one)
                 self._drop(pair)
                 context.abort(grpc.StatusCode.ABORTED, f"collective send failed: {exc}")

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 
 import grpc
 import grpc.experimental
@@ -92,6 +93,29 @@ def _channel_options(settings: TransportSettings) -> list[tuple[str, int]]:
     ]
 
 
+def stream_pull(producer: KVProducer, request: pb.PullRequest, into):
+    """The producer's chunk stream for a PullRequest (every backend's server reads through it)."""
+    return producer.stream(
+        request.request_id,
+        list(request.block_ids),
+        remote_version=request.protocol_version,
+        remote_digest=request.layout_digest,
+        max_chunk_bytes=request.max_chunk_bytes,
+        into=into,
+    )
+
+
+@contextmanager
+def pull_errors_abort(context: grpc.ServicerContext) -> Iterator[None]:
+    """End a serving call with the status the client maps back to the producer's error."""
+    try:
+        yield
+    except LeaseNotFoundError as exc:
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    except HandshakeError as exc:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+
 class _Servicer:
     def __init__(self, producer: KVProducer, secret: str):
         self.producer = producer
@@ -132,21 +156,9 @@ class _Servicer:
             messages.append(message)
             return payload
 
-        try:
-            stream = self.producer.stream(
-                request.request_id,
-                list(request.block_ids),
-                remote_version=request.protocol_version,
-                remote_digest=request.layout_digest,
-                max_chunk_bytes=request.max_chunk_bytes,
-                into=into,
-            )
-            for _ in stream:
+        with pull_errors_abort(context):
+            for _ in stream_pull(self.producer, request, into):
                 yield messages.pop()
-        except LeaseNotFoundError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except HandshakeError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         self.authorize(context)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.errors import HandshakeError, KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.staging import Pool
@@ -49,7 +49,13 @@ from pdcluster.kv_transfer.transports.base import (
     TransportClient,
     TransportSettings,
 )
-from pdcluster.kv_transfer.transports.grpc_transport import SERVICE, GrpcClient, translate
+from pdcluster.kv_transfer.transports.grpc_transport import (
+    SERVICE,
+    GrpcClient,
+    pull_errors_abort,
+    stream_pull,
+    translate,
+)
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -185,18 +191,14 @@ class ShmExtension(ServerExtension):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ShmPull must open with the pull")
         pull = first.pull
         consumed = _Consumed(requests)
-        try:
-            if first.direct and self._addresses is not None:
-                yield from self._serve_direct(first, consumed)
-                return
-        except _ConsumerGone:
-            logger.warning("consumer left the direct shm pull of %s", pull.request_id)
+        if first.direct and self._addresses is not None:
+            with pull_errors_abort(context):
+                try:
+                    yield from self._serve_direct(first, consumed)
+                except _ConsumerGone:
+                    logger.warning("consumer left the direct shm pull of %s", pull.request_id)
             return
-        except LeaseNotFoundError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except HandshakeError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        with self._pool.get() as ring:
+        with self._pool.get() as ring, pull_errors_abort(context):
             sent = 0
 
             def into(chunk: Chunk):
@@ -205,15 +207,7 @@ class ShmExtension(ServerExtension):
                 return ring.segment.view[start : start + chunk.nbytes]
 
             try:
-                stream = self.producer.stream(
-                    pull.request_id,
-                    list(pull.block_ids),
-                    remote_version=pull.protocol_version,
-                    remote_digest=pull.layout_digest,
-                    max_chunk_bytes=pull.max_chunk_bytes,
-                    into=into,
-                )
-                for chunk, _ in stream:
+                for chunk, _ in stream_pull(self.producer, pull, into):
                     yield pb.ShmChunk(
                         header=pb.ChunkHeader(
                             layer_index=chunk.layer_index,
@@ -229,10 +223,6 @@ class ShmExtension(ServerExtension):
                 consumed.wait_for(sent)
             except _ConsumerGone:
                 logger.warning("consumer left the shm pull of %s after %d chunks", pull.request_id, sent)
-            except LeaseNotFoundError as exc:
-                context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            except HandshakeError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def _serve_direct(self, first: pb.ShmPullRequest, consumed: _Consumed) -> Iterator[pb.ShmChunk]:
         """Hold the lease while the blocks move directly between the two caches: we push the
