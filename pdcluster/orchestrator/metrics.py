@@ -81,12 +81,15 @@ class _EngineCollector:
         accepted = CounterMetricFamily("pdcluster_spec_accepted_tokens", "MTP draft tokens accepted", labels=["replica"])
         rate = GaugeMetricFamily("pdcluster_spec_acceptance_rate", "Accepted / draft tokens since start", labels=["replica"])
         length = GaugeMetricFamily("pdcluster_spec_mean_accepted_length", "Tokens per draft round (1 + accepted / rounds)", labels=["replica"])
+        rss = GaugeMetricFamily("pdcluster_replica_rss_bytes", "Resident memory of the replica's actor and engine processes", labels=["replica", "role"])
         for row in self._source():
             stats = row.get("stats") or {}
             rid, role = row["replica_id"], row["role"]
             running.add_metric([rid, role], stats.get("running", 0))
             waiting.add_metric([rid, role], stats.get("waiting", 0))
             kv_usage.add_metric([rid, role], stats.get("kv_cache_usage", 0.0))
+            if row.get("rss_bytes"):
+                rss.add_metric([rid, role], row["rss_bytes"])
             if role in ("decode", "aggregated"):
                 pulls.add_metric([rid, "ok"], stats.get("kv_pulls_ok", 0))
                 pulls.add_metric([rid, "failed"], stats.get("kv_pulls_failed", 0))
@@ -101,7 +104,13 @@ class _EngineCollector:
             if role == "prefill":
                 leases.add_metric([rid, "released"], stats.get("kv_leases_released", 0))
                 leases.add_metric([rid, "expired"], stats.get("kv_leases_expired", 0))
-        yield from (running, waiting, kv_usage, pulls, kv_bytes, kv_seconds, leases, drafts, accepted, rate, length)
+        yield from (running, waiting, kv_usage, rss, pulls, kv_bytes, kv_seconds, leases, drafts, accepted, rate, length)
+
+
+def _own_rss() -> float:
+    import psutil
+
+    return float(psutil.Process().memory_info().rss)
 
 
 class RouterMetrics:
@@ -115,6 +124,8 @@ class RouterMetrics:
         self.prefill = Histogram("pdcluster_prefill_seconds", "Prefill phase incl. KV lease setup", buckets=LATENCY_BUCKETS, registry=r)
         self.inflight = Gauge("pdcluster_replica_inflight", "Requests the router has in flight per replica", ["replica", "role"], registry=r)
         self.retries = Counter("pdcluster_retries", "Phase retries on another replica", ["role"], registry=r)
+        router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
+        router_rss.set_function(_own_rss)
         r.register(_EngineCollector(engine_rows))
         self.windows: dict[str, ReplicaWindows] = {}
 
