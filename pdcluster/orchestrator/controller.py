@@ -68,6 +68,7 @@ class Replica:
             "state": int(self.state),
             "node": self.node,
             "stats": (self.info or {}).get("stats") or {},
+            "rss_bytes": (self.info or {}).get("rss_bytes"),
         }
 
 
