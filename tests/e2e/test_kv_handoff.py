@@ -1,8 +1,10 @@
 """P -> D handoff through PDConnector with real vLLM engines in separate processes.
 
-Engines: one aggregated reference, one prefill (producer), and decode (consumer) engines: a
-healthy one, one whose every pull fails (injected; recompute policy) and one whose KV layout does
-not match (block size 64 vs 128; fail policy). The test drives them over HTTP exactly as the
+Engines: one aggregated reference, one prefill (producer, backend auto: it offers grpc, shm and
+collective), and decode (consumer) engines: a healthy one forced to grpc (the full matrix runs
+there), one whose every pull fails (injected; recompute policy), one whose KV layout does not
+match (block size 64 vs 128; fail policy), and one each for the faster backends: auto (which
+picks shm on this one node) and collective (gloo). The test drives them over HTTP exactly as the
 router does: prefill with max_tokens=1 and do_remote_decode, then decode with the returned params.
 """
 
@@ -49,8 +51,10 @@ def engines(tmp_path_factory):
     secret.write_text("handoff-test-secret\n")
     specs = [
         spec("agg", "aggregated", "0", secret),
-        spec("prefill", "prefill", "0", secret, kv={"lease_s": LEASE_S}),
+        spec("prefill", "prefill", "0", secret, kv={"lease_s": LEASE_S, "transport": "auto"}),
         spec("decode", "decode", "1", secret),
+        spec("decode-shm", "decode", "1", secret, kv={"transport": "auto"}),
+        spec("decode-collective", "decode", "1", secret, kv={"transport": "collective"}),
         spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
         spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
     ]
@@ -191,3 +195,40 @@ def test_layout_mismatch_fails_request_with_naming_error(engines):
     assert "has 128" in log and "has 64" in log
     # The producer's blocks are released all the same.
     wait_for(lambda: info(engines["prefill"])["stats"]["kv_cache_usage"] == 0.0, 30, "P blocks freed")
+
+
+# The faster backends: the same identity checks on a few lengths (grpc covers the full matrix).
+FAST = {"decode": "grpc", "decode-shm": "shm", "decode-collective": "collective"}
+
+
+@pytest.mark.parametrize("decode", ["decode-shm", "decode-collective"])
+@pytest.mark.parametrize("length", [1, BLOCK + 1, 5 * BLOCK + 64])
+def test_fast_backend_greedy_output_matches_aggregated(engines, decode, length):
+    prompt = token_prompt(length, offset=length * 13 + 5)
+    expected = token_ids(complete(engines["agg"], prompt, 8))
+    response, _ = handoff(engines["prefill"], engines[decode], prompt, 8)
+    assert token_ids(response) == expected
+
+
+@pytest.mark.parametrize("decode", ["decode-shm", "decode-collective"])
+def test_fast_backend_concurrent_batch_matches_aggregated(engines, decode):
+    prompts = [token_prompt(90 + 71 * i, offset=2000 + 97 * i) for i in range(8)]
+    expected = [token_ids(complete(engines["agg"], p, 10)) for p in prompts]
+    before = info(engines[decode])["stats"]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: handoff(engines["prefill"], engines[decode], p, 10)[0], prompts))
+    assert [token_ids(r) for r in results] == expected
+    after = wait_for(
+        lambda: (s := info(engines[decode])["stats"])["kv_pulls_ok"] >= before["kv_pulls_ok"] + 8 and s,
+        30, "decode pull counters",
+    )
+    assert after["kv_pulls_failed"] == before["kv_pulls_failed"]
+
+
+@pytest.mark.parametrize("decode", list(FAST))
+def test_each_decode_reports_the_backend_it_uses_with_the_prefill(engines, decode):
+    handoff(engines["prefill"], engines[decode], token_prompt(BLOCK + 3, offset=9), 2)
+    backends = wait_for(
+        lambda: info(engines[decode])["stats"].get("kv_backends"), 30, "backend in decode stats"
+    )
+    assert backends == {"prefill": FAST[decode]}
