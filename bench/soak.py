@@ -3,7 +3,7 @@ in the middle. Checks: no failed or lost request, every response complete (all t
 reason `length`), router and worker memory flat after warm-up (RSS drift), KV blocks back to
 their baseline at the end. Results: bench/results/<date>-soak.{json,md}.
 
-Usage: python bench/soak.py [--clients 8] [--minutes 5] [--max-tokens 48]
+Usage: python bench/soak.py [--clients 8] [--minutes 10] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def scrape(endpoint: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     prompts = [json.loads(line)["prompt"] for line in (MODEL / "heldout_prompts.jsonl").read_text().splitlines()]
@@ -102,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             t.start()
 
         def scaler() -> None:
-            # Scale decode up at 1/3 and down at 2/3 of the run, through the CLI as an operator would.
-            for at, n in ((duration / 3, 2), (2 * duration / 3, 1)):
-                if stop.wait(max(0.0, started + at - time.monotonic())):
+            # Scale decode up at 1/4 of the run, and down once two decode replicas have served
+            # for a while (engine start takes minutes on 2 busy cores), through the CLI as an
+            # operator would.
+            for n, at in ((2, lambda: started + duration / 4), (1, lambda: max(started + duration / 2, time.monotonic() + duration / 6))):
+                if stop.wait(max(0.0, at() - time.monotonic())):
                     return
                 t0 = time.monotonic()
                 pdcluster(home, "scale", "decode", str(n), "--wait", "--name", config["name"])
