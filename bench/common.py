@@ -187,3 +187,50 @@ def machine() -> dict:
 
 def timings_to_dicts(timings: list[RequestTiming]) -> list[dict]:
     return [asdict(t) for t in timings]
+
+
+def process_role(proc) -> str:
+    """A process's role in a setup, from its title/command line (and its parent's for engines)."""
+    import psutil
+
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "other"
+    if cmd.startswith("VLLM::") or "VLLM::" in cmd:
+        try:
+            parent = process_role(proc.parent()) if proc.parent() else "?"
+        except psutil.Error:
+            parent = "?"
+        return f"{parent} > {cmd.split()[0]}"
+    for needle, label in (
+        ("ray::RouterActor", "router"), ("ray::PrefillWorker", "prefill actor"), ("ray::DecodeWorker", "decode actor"),
+        ("ray::EngineActor", "aggregated actor"), ("ray::", "ray worker (controller, idle)"),
+        ("bench serve", "vllm bench serve (client)"), ("vllm_pd_proxy", "vllm-pd proxy"),
+    ):
+        if needle in cmd:
+            return label
+    if " serve " in cmd and "vllm_cli" in cmd:
+        try:
+            core = proc.environ().get("VLLM_CPU_OMP_THREADS_BIND")
+        except psutil.Error:
+            core = None
+        return {"0": "vllm serve prefill", "1": "vllm serve decode"}.get(core, "vllm serve")
+    if any(k in cmd for k in ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "ray.util.client", "ray.scripts", "runtime_env")):
+        return "ray daemons"
+    return "other"
+
+
+def rss_by_role() -> dict[str, float]:
+    """Resident memory per process role on this machine (pdcluster, vLLM and Ray processes)."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in psutil.process_iter():
+        try:
+            role = process_role(proc)
+            if role not in ("other", "vllm bench serve (client)"):
+                out[role] = out.get(role, 0.0) + proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return out

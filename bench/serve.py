@@ -36,7 +36,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MODEL, RESULTS, ROOT, base_config, cluster, free_port, machine, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    MODEL, RESULTS, ROOT, base_config, cluster, free_port, machine, process_role, write_results,
+)
 
 ENGINE_ARGS = {"enforce_eager": True, "max_num_seqs": 64, "max_num_batched_tokens": 4096}
 MAX_MODEL_LEN = 4096
@@ -187,38 +189,6 @@ def profile(before: dict, after: dict) -> dict[str, float | None]:
 
 # -- where the CPU goes -------------------------------------------------------------------
 
-def _label(proc) -> str:
-    """A process's role in a setup, from its title/command line (and its parent's for engines)."""
-    import psutil
-
-    try:
-        cmd = " ".join(proc.cmdline())
-    except psutil.Error:
-        return "other"
-    if cmd.startswith("VLLM::") or "VLLM::" in cmd:
-        try:
-            parent = _label(proc.parent()) if proc.parent() else "?"
-        except psutil.Error:
-            parent = "?"
-        return f"{parent} > {cmd.split()[0]}"
-    for needle, label in (
-        ("ray::RouterActor", "router"), ("ray::PrefillWorker", "prefill actor"), ("ray::DecodeWorker", "decode actor"),
-        ("ray::EngineActor", "aggregated actor"), ("ray::", "ray worker (controller, idle)"),
-        ("bench serve", "vllm bench serve (client)"), ("vllm_pd_proxy", "vllm-pd proxy"),
-    ):
-        if needle in cmd:
-            return label
-    if " serve " in cmd and "vllm_cli" in cmd:
-        try:
-            core = proc.environ().get("VLLM_CPU_OMP_THREADS_BIND")
-        except psutil.Error:
-            core = None
-        return {"0": "vllm serve prefill", "1": "vllm serve decode"}.get(core, "vllm serve")
-    if any(k in cmd for k in ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "ray.util.client", "ray.scripts", "runtime_env")):
-        return "ray daemons"
-    return "other"
-
-
 def cpu_snapshot() -> dict[int, tuple[str, float]]:
     import psutil
 
@@ -229,7 +199,7 @@ def cpu_snapshot() -> dict[int, tuple[str, float]]:
             if proc.pid == os.getpid():  # the `vllm bench serve` clients are our reaped children
                 snap[proc.pid] = ("vllm bench serve (client)", times.children_user + times.children_system)
             else:
-                snap[proc.pid] = (_label(proc), times.user + times.system)
+                snap[proc.pid] = (process_role(proc), times.user + times.system)
         except psutil.Error:
             continue
     return snap

@@ -21,7 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MODEL, base_config, cluster, machine, pdcluster, status, write_results  # noqa: E402
+from bench.common import MODEL, base_config, cluster, machine, pdcluster, rss_by_role, status, write_results  # noqa: E402
 
 
 def client_loop(endpoint: str, prompts: list[str], max_tokens: int, stop: threading.Event, tally: dict, lock: threading.Lock, seed: int) -> None:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() - started < duration:
             # Memory and queue samples from the router's /metrics (cheap: no Ray driver per sample).
             snap = scrape(endpoint)
-            samples.append({"t": round(time.monotonic() - started, 1), "sent": tally["sent"], **snap})
+            samples.append({"t": round(time.monotonic() - started, 1), "sent": tally["sent"], "procs": rss_by_role(), **snap})
             stop.wait(5)  # sampling interval of the soak monitor
         stop.set()
         for t in threads:
@@ -144,11 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     drifts = {"router": drift(lambda s: s["router_rss"])}
     for replica in ("prefill-0", "decode-0"):
         drifts[replica] = drift(lambda s, r=replica: s["rss"].get(r))
+    roles = sorted({role for s in warm for role in s["procs"]})
+    process_drifts = {role: drift(lambda s, r=role: s["procs"].get(r)) for role in roles}
     kv_back = final["kv_cache_usage"]
     lost = tally["sent"] - tally["complete"] - tally["incomplete"] - tally["failed"]
     result = {
         "clients": args.clients, "minutes": args.minutes, "max_tokens": args.max_tokens,
-        "tally": tally, "lost": lost, "scale_events": events, "rss_drift": drifts,
+        "tally": tally, "lost": lost, "scale_events": events, "rss_drift": drifts, "rss_drift_by_process": process_drifts,
         "kv_cache_usage_end": kv_back, "kv_cache_usage_start": baseline["kv_cache_usage"],
         "replica_states": transitions, "samples": samples,
     }
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- scale events: {events}; replica states: {transitions}",
         "- RSS drift after warm-up (last quarter vs first quarter of samples): "
         + ", ".join(f"{k} {'-' if v is None else f'{v * 100:+.1f}%'}" for k, v in drifts.items()),
+        "- by process (summed per role on this machine): "
+        + ", ".join(f"{k} {'-' if v is None else f'{v * 100:+.1f}%'}" for k, v in process_drifts.items()),
         f"- KV cache usage at the end: {kv_back}",
         "",
         f"Verdict: **{'pass' if ok else 'FAIL'}** (both scale events done; no failed/lost/incomplete request; KV blocks back to baseline).",
