@@ -17,6 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdcluster.engine.actor import process_tree_rss
+
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0,
 )
@@ -107,12 +109,6 @@ class _EngineCollector:
         yield from (running, waiting, kv_usage, rss, pulls, kv_bytes, kv_seconds, leases, drafts, accepted, rate, length)
 
 
-def _own_rss() -> float:
-    import psutil
-
-    return float(psutil.Process().memory_info().rss)
-
-
 class RouterMetrics:
     def __init__(self, engine_rows) -> None:
         self.registry = CollectorRegistry()
@@ -125,7 +121,7 @@ class RouterMetrics:
         self.inflight = Gauge("pdcluster_replica_inflight", "Requests the router has in flight per replica", ["replica", "role"], registry=r)
         self.retries = Counter("pdcluster_retries", "Phase retries on another replica", ["role"], registry=r)
         router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
-        router_rss.set_function(_own_rss)
+        router_rss.set_function(process_tree_rss)  # as `status` reports it
         r.register(_EngineCollector(engine_rows))
         self.windows: dict[str, ReplicaWindows] = {}
 
