@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -75,6 +76,20 @@ def cluster(config: dict, workdir: Path) -> Iterator[str]:
         yield endpoint
     finally:
         pdcluster(home, "down", "--name", config["name"], timeout=300)
+
+
+METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample in a Prometheus text exposition."""
+    samples = []
+    for line in text.splitlines():
+        m = METRIC_LINE.match(line)
+        if m:
+            samples.append((m.group(1), dict(LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return samples
 
 
 def status(config: dict, workdir: Path) -> dict:

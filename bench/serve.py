@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
-    MODEL, RESULTS, ROOT, base_config, cluster, free_port, machine, process_role, write_results,
+    MODEL, RESULTS, ROOT, base_config, cluster, free_port, machine, metric_samples, process_role, write_results,
 )
 
 ENGINE_ARGS = {"enforce_eager": True, "max_num_seqs": 64, "max_num_batched_tokens": 4096}
@@ -156,6 +155,9 @@ def run_workload(endpoint: str, workload: dict, workdir: Path, tag: str) -> dict
     return results
 
 
+PROFILE_METRICS = ("pdcluster_prefill_seconds", "pdcluster_ttft_seconds", "pdcluster_kv_pull_seconds_total", "pdcluster_kv_pulls_total")
+
+
 def scrape(endpoint: str) -> dict[str, float]:
     """pdcluster router metrics relevant to the TTFT profile (sums and counts)."""
     try:
@@ -163,11 +165,10 @@ def scrape(endpoint: str) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(pdcluster_(?:prefill_seconds|ttft_seconds|kv_pull_seconds_total|kv_pulls_total)\S*)\s+(\S+)$", line)
-        if m and ("_sum" in m.group(1) or "_count" in m.group(1) or "total" in m.group(1)):
-            key = re.sub(r'\{.*replica="([^"]+)".*?(outcome="(\w+)")?.*\}', lambda mm: f"[{mm.group(1)}]" + (f"[{mm.group(3)}]" if mm.group(3) else ""), m.group(1))
-            values[key] = values.get(key, 0.0) + float(m.group(2))
+    for name, labels, value in metric_samples(text):
+        if name.startswith(PROFILE_METRICS) and ("_sum" in name or "_count" in name or "total" in name):
+            key = name + "".join(f"[{labels[k]}]" for k in ("replica", "outcome") if k in labels)
+            values[key] = values.get(key, 0.0) + value
     return values
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import threading
@@ -21,7 +20,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MODEL, base_config, cluster, machine, pdcluster, rss_by_role, status, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    MODEL, base_config, cluster, machine, metric_samples, pdcluster, rss_by_role, status, write_results,
+)
 
 
 def client_loop(endpoint: str, prompts: list[str], max_tokens: int, stop: threading.Event, tally: dict, lock: threading.Lock, seed: int) -> None:
@@ -61,22 +62,15 @@ def tally_error(tally: dict, lock: threading.Lock, error: str) -> None:
         tally["errors"][error] = tally["errors"].get(error, 0) + 1
 
 
-METRIC = re.compile(r'^(pdcluster_replica_(?:rss_bytes|kv_cache_usage|running)|pdcluster_router_rss_bytes)(?:\{replica="([^"]+)"[^}]*\})? (\S+)$')
-
-
 def scrape(endpoint: str) -> dict:
     """Router and per-replica memory, KV usage and running sequences from /metrics."""
-    text = httpx.get(endpoint + "/metrics", timeout=60).text
     snap: dict = {"router_rss": None, "rss": {}, "kv_cache_usage": {}, "running": {}}
     keys = {"pdcluster_replica_rss_bytes": "rss", "pdcluster_replica_kv_cache_usage": "kv_cache_usage", "pdcluster_replica_running": "running"}
-    for line in text.splitlines():
-        m = METRIC.match(line)
-        if not m:
-            continue
-        if m.group(1) == "pdcluster_router_rss_bytes":
-            snap["router_rss"] = float(m.group(3))
-        else:
-            snap[keys[m.group(1)]][m.group(2)] = float(m.group(3))
+    for name, labels, value in metric_samples(httpx.get(endpoint + "/metrics", timeout=60).text):
+        if name == "pdcluster_router_rss_bytes":
+            snap["router_rss"] = value
+        elif name in keys:
+            snap[keys[name]][labels["replica"]] = value
     return snap
 
 
