@@ -109,6 +109,7 @@ class ConnectorWorker:
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
         )
+        self.cache.back_with_huge_pages()
         self.ctx = DeviceContext(self.cache.device)
         self.offers = offered_backends(self.settings.transport, self.cache.device.type)
         logger.info(

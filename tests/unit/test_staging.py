@@ -2,6 +2,7 @@
 
 import torch
 
+from pdcluster.kv_transfer.kv_cache import PagedKVCache, _merged_ranges
 from pdcluster.kv_transfer.staging import BlockGatherer, BlockScatterer, contiguous_run
 from tests.unit.kv_fixtures import make_cache
 
@@ -56,3 +57,30 @@ def test_contiguous_run_detection():
     assert contiguous_run([4, 6, 5]) is None
     assert contiguous_run([4, 5, 7]) is None
     assert contiguous_run([]) is None
+
+
+def _thp_enabled() -> bool:
+    try:
+        return "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+
+
+def test_huge_pages_keep_the_cache_contents():
+    """The connector moves a CPU cache onto 2 MiB pages in place (MADV_COLLAPSE): same bytes."""
+    tensors = {f"model.layers.{i}.attn": torch.empty(256, 4, 16, 256, dtype=torch.bfloat16) for i in range(2)}
+    for t in tensors.values():
+        t.view(torch.int16).random_(-(2**15), 2**15 - 1)
+    before = [t.clone() for t in tensors.values()]
+    cache = PagedKVCache(tensors, model="m", block_size=16)
+    collapsed = cache.back_with_huge_pages()
+    assert collapsed % (2 << 20) == 0 and collapsed <= sum(t.nbytes for t in tensors.values())
+    if _thp_enabled():
+        assert collapsed >= 2 << 20  # 8 MiB per layer: at least one whole 2 MiB page
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(before, tensors.values()))
+
+
+def test_merged_ranges_join_views_of_one_buffer():
+    buffer = torch.zeros(4 << 20, dtype=torch.uint8)
+    views = [buffer[: 2 << 20], buffer[1 << 20 :]]
+    assert _merged_ranges(views) == [(buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes)]
