@@ -29,6 +29,9 @@ from pydantic import (
 from pdcluster.errors import ConfigError
 
 RoleName = Literal["prefill", "decode", "aggregated"]
+# oneDNN primitive cache per engine (roles.*.onednn_cache): bounded RSS at the same prefill speed
+# as oneDNN's 1024 (bench/results/2026-11-30-soak.md)
+ONEDNN_CACHE_DEFAULT = 128
 
 # Engine arguments the cluster owns: set once at the top level, never per role.
 RESERVED_ENGINE_ARGS = {
@@ -81,6 +84,14 @@ class RoleSection(_Model):
     )
     kv_cache_gib: int | None = Field(
         None, ge=1, description="CPU only: KV cache size per engine, whole GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    onednn_cache: int = Field(
+        ONEDNN_CACHE_DEFAULT,
+        ge=0,
+        description="CPU only: oneDNN primitive cache entries per engine process "
+        "(ONEDNN_PRIMITIVE_CACHE_CAPACITY). oneDNN keeps a compiled kernel per GEMM shape and a "
+        "prefill engine meets a new shape with every batch token count: at oneDNN's default of "
+        "1024 entries its RSS grows by hundreds of MB before the cache is full.",
     )
     async_scheduling: bool | None = Field(
         None,

@@ -39,6 +39,7 @@ class EngineSpec:
     http_advertise_host: str | None = None  # set when http_host is a wildcard
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"
     kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    onednn_cache: int | None = None  # ONEDNN_PRIMITIVE_CACHE_CAPACITY (None: oneDNN's default)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -94,6 +95,8 @@ class EngineSpec:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads_bind
         if self.kv_cache_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.onednn_cache is not None:
+            env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(self.onednn_cache)
         return env
 
     def to_json(self) -> str:

@@ -130,6 +130,7 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
         http_host=kv.bind_host,
         cpu_threads_bind=section.bind_for(index),
         kv_cache_gib=section.kv_cache_gib,
+        onednn_cache=section.onednn_cache,
     )
 
 

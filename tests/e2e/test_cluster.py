@@ -7,9 +7,11 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from pdcluster.engine.spec import EngineSpec
@@ -139,6 +141,33 @@ def test_status_json_reflects_cluster(cluster):
     table = cli(cluster.home, "status", "--name", cluster.name).stdout
     assert cluster.endpoint in table and "MTP acceptance" in table
     assert "async scheduling off (turned off by vLLM's cpu platform)" in table
+
+
+def _engine_workers() -> list[psutil.Process]:
+    """vLLM worker processes under this cluster's prefill and decode actors."""
+    workers = []
+    for proc in psutil.process_iter():
+        try:
+            if not " ".join(proc.cmdline()).startswith("VLLM::Worker"):
+                continue
+            if any(" ".join(p.cmdline()).startswith(("ray::PrefillWorker", "ray::DecodeWorker")) for p in proc.parents()):
+                workers.append(proc)
+        except psutil.Error:
+            continue
+    return workers
+
+
+def test_engine_processes_get_the_cpu_settings(cluster):
+    """Each engine worker runs with the bounded oneDNN cache and its KV cache on 2 MiB pages."""
+    workers = _engine_workers()
+    assert len(workers) == 2
+    thp = "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    for proc in workers:
+        assert proc.environ().get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "128"
+        rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()
+        huge_kib = int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("AnonHugePages:")))
+        if thp:
+            assert huge_kib * 1024 >= (1 << 30) // 2  # kv_cache_gib: 1, at least half on huge pages
 
 
 def test_scale_decode_up_and_down_under_load(cluster, client):

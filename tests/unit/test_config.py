@@ -40,6 +40,7 @@ def test_shipped_configs_are_valid(name):
         ({**BASE, "kv_transfer": {"port_range": [80, 90]}}, "kv_transfer.port_range: need 1024"),
         ({**BASE, "kv_transfer": {"secret": "a", "secret_file": "b"}}, "kv_transfer: set either secret or secret_file"),
         ({**BASE, "roles": {"decode": {"cpu_bind": ["one"]}}}, "roles.decode.cpu_bind: 'one' is not a core list"),
+        ({**BASE, "roles": {"prefill": {"onednn_cache": -1}}}, "roles.prefill.onednn_cache: must be ≥ 0"),
         ({"mode": "aggregated"}, "model: required"),
     ],
 )
@@ -92,6 +93,7 @@ def test_engine_specs_follow_the_config():
     assert decode.kv_transfer_config()["kv_role"] == "kv_consumer"
     assert "secret" not in yaml.safe_dump(prefill.kv_extra)
     assert prefill.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert prefill.env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
 
 
 def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
