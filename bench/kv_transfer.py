@@ -150,17 +150,20 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def time_memcpy(nbytes: int, repeats: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)  # fault pages in
-    huge_pages([src, dst])  # the same 2 MiB pages the caches get
-    times = []
-    for _ in range(repeats):
+class Memcpy:
+    """The baseline: one-thread memmove of `nbytes` between two buffers on 2 MiB pages."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        self.dst = torch.empty(nbytes, dtype=torch.uint8)
+        ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), nbytes)  # fault pages in
+        huge_pages([self.src, self.dst])  # the same 2 MiB pages the caches get
+
+    def time_once(self) -> float:
         t0 = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.nbytes)
+        return time.perf_counter() - t0
 
 
 def time_staging(src: PagedKVCache, dst: PagedKVCache, src_ids, dst_ids, chunk, repeats) -> float:
@@ -236,9 +239,13 @@ def run_pulls(args, address: str, raw_address: str | None, num_blocks: int, requ
         src_ids = requests[request_id]
         dst_ids = scattered_ids(num_blocks, len(src_ids), seed=tokens + 1)
         nbytes = len(src_ids) * local.layout.bytes_per_block()
-        times = []
+        memcpy = Memcpy(nbytes)
+        times, memcpy_times = [], []
         cpu = 0.0
-        for i in range(args.repeats + 1):  # first pull warms the channel and the pages
+        # Small pulls take milliseconds: repeat them more so each row's medians rest on ~as many
+        # bytes; a memcpy after every pull, so both see the same moments of this shared machine.
+        repeats = args.repeats * max(1, 8192 // tokens)
+        for i in range(repeats + 1):  # first pull warms the channel and the pages
             producer.send("rusage")
             cpu_start = cpu_seconds() + producer.recv()
             t0 = time.perf_counter()
@@ -251,8 +258,10 @@ def run_pulls(args, address: str, raw_address: str | None, num_blocks: int, requ
             else:
                 producer.recv()
             assert got == nbytes
+            memcpy_times.append(memcpy.time_once())
         transfer_s = statistics.median(times[1:])
-        memcpy_s = time_memcpy(nbytes, args.repeats)
+        memcpy_s = statistics.median(memcpy_times[1:])
+        del memcpy
         staging_s = time_staging(source, local, src_ids, dst_ids, args.chunk_bytes, args.repeats)
         raw_s = time_raw_grpc(raw_address, nbytes, args.chunk_bytes, args.repeats) if raw_address else None
         row = {
@@ -290,7 +299,7 @@ def write_results(args, rows: list[dict]) -> None:
             # the machine is shared: 1-minute load average before and after the run
             "loadavg_1m": [args.load_before, os.getloadavg()[0]],
         },
-        "method": "median of repeats; cache-to-cache pull between two processes on 127.0.0.1, both "
+        "method": "median of repeats (each pull followed by one memcpy); cache-to-cache pull between two processes on 127.0.0.1, both "
         "caches on 2 MiB pages as the connector backs them; memcpy = ctypes.memmove of the same "
         "byte count between two buffers on 2 MiB pages, one thread, same run",
         "rows": rows,

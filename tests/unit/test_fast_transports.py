@@ -24,6 +24,7 @@ from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink, TransportSettings
 from pdcluster.kv_transfer.transports.shm import SEGMENT_PREFIX, SHM_DIR
+from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.unit.kv_fixtures import make_cache
 
 SECRET = "fast-transport-secret"
@@ -100,6 +101,36 @@ def test_pull_copies_blocks_exactly(producer_process, backend, direct, request_i
     assert_copied(consumer, request_id, dst_ids)
 
 
+def test_direct_pulls_after_the_first_read_early_and_survive_a_stale_peer(producer_process):
+    """From the second direct pull on, the consumer copies its half before the producer's notice
+    arrives; a notice that disagrees with what that copy used (here: addresses made stale)
+    makes the pull read again, so the blocks still arrive exactly."""
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    client = create_transport("shm", settings()).connect(address)
+    early = []
+    real = client._read_early
+    client._read_early = lambda *args: early.append(real(*args)) or early[-1]
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        for request_id, stale in (("req-a", False), ("req-b", False), ("req-c", True)):
+            dst_ids = [50 - i for i in range(len(REQUESTS[request_id]))]
+            if stale:
+                peer = client._peer
+                client._peer = pb.ShmChunk(
+                    pid=peer.pid, layer_addresses=[a + 2 * consumer.block_bytes[0] for a in peer.layer_addresses],
+                    push_from_layer=peer.push_from_layer,
+                )
+            scatterer.begin(dst_ids)
+            client.pull(request_id, REQUESTS[request_id], CacheSink(scatterer), engine_id="decode-0", timeout_s=20)
+            assert_copied(consumer, request_id, dst_ids)
+    finally:
+        client.close()
+    assert early[0] is None and early[1] is not None and early[2] is not None
+    assert client._peer.layer_addresses != early[2].note.layer_addresses  # the stale copy was redone
+
+
 def test_shm_segments_are_private_to_this_user(producer_process):
     address, conn = producer_process
     pull("shm", address, "req-c", [5, 6], direct=False)
@@ -153,7 +184,6 @@ def test_unknown_request_is_not_found(producer_process, backend):
 @pytest.mark.parametrize("method", ["ShmPull", "CollectiveOpen"])
 def test_wrong_secret_learns_no_segment_or_group(producer_process, method):
     from pdcluster.kv_transfer.transports.grpc_transport import SERVICE
-    from pdcluster.protos import kv_transfer_pb2 as pb
 
     address, _ = producer_process
     with grpc.insecure_channel(address) as channel:

@@ -16,8 +16,10 @@ Direct variant (both caches in host memory): two copies through a segment cost t
 traffic of one, so where the OS lets the peers copy between each other's memory (cma.py) the
 consumer sends its pid, cache addresses and destination blocks; the producer, holding the lease,
 answers with its own and then writes the upper half of the layers into the consumer's cache while
-the consumer reads the lower half from the producer's: one copy per byte, on two cores. Where
-the OS refuses (EPERM), the client falls back to the ring for good.
+the consumer reads the lower half from the producer's: one copy per byte, on two cores. From the
+second pull on, the consumer knows the producer's addresses and copies its half while the request
+is still on its way (`_read_early`), and it returns once every byte is in, leaving the call to end
+in the background. Where the OS refuses (EPERM), the client falls back to the ring for good.
 """
 
 from __future__ import annotations
@@ -289,7 +291,8 @@ class _DirectRead:
         self.note, self.block_ids, self.sink, self.rows = note, block_ids, sink, rows
         self.done = 0  # layers [0, done) are in our cache
 
-    def read(self, start: int, stop: int) -> None:
+    def copy(self, start: int, stop: int) -> None:
+        """Copy layers [start, stop) of our blocks out of the producer's cache."""
         if start >= stop:
             return
         remote = cma.block_iovecs(
@@ -304,17 +307,21 @@ class _DirectRead:
             if exc.errno in cma.REFUSED:
                 raise _DirectRefused(str(exc)) from exc
             raise KVTransferError(f"direct read from pid {self.note.pid}: {exc}") from exc
+
+    def landed(self, start: int, stop: int) -> None:
+        count = len(self.block_ids)
         for index in range(start, stop):
-            count = len(self.block_ids)
             self.sink.landed(Chunk(index, 0, count, count * self.row_bytes[index]))
+
+    def read(self, start: int, stop: int) -> None:
+        self.copy(start, stop)
+        self.landed(start, stop)
 
     def finish(self, pushed_layers: int) -> int:
         """After the producer pushed `pushed_layers` from push_from_layer: read what is left."""
         start = self.note.push_from_layer
         pushed = min(pushed_layers, len(self.rows) - start)
-        for index in range(start, start + pushed):
-            count = len(self.block_ids)
-            self.sink.landed(Chunk(index, 0, count, count * self.row_bytes[index]))
+        self.landed(start, start + pushed)
         self.read(start + pushed, len(self.rows))
         return len(self.block_ids) * sum(self.row_bytes)
 
@@ -330,6 +337,10 @@ class ShmClient(GrpcClient):
         self._segments: dict[str, Segment] = {}
         self._segments_lock = threading.Lock()
         self.direct = cma.available()  # until the OS refuses a direct read from this producer
+        # The producer's last direct notice (pid, cache addresses, split): lets the next pull
+        # read its half while the request is still on its way (see _read_early).
+        self._peer: pb.ShmChunk | None = None
+        self._settling: set = set()  # direct pulls' calls still ending (set ops are atomic)
 
     def _attach(self, name: str, size: int) -> Segment:
         with self._segments_lock:
@@ -396,18 +407,29 @@ class ShmClient(GrpcClient):
         segment: Segment | None = None
         direct: _DirectRead | None = None
         try:
+            early = self._read_early(block_ids, sink, rows) if rows is not None else None
             for note in call:
                 if note.pid or note.pushed:
                     if rows is None or (note.pid and direct) or (note.pushed and not direct):
                         raise KVTransferError(f"unexpected direct shm notice from {self.endpoint}")
                     assert isinstance(sink, CacheSink) and self._remote_layout is not None
                     if note.pid:
-                        direct = _DirectRead(note, self._remote_layout, block_ids, sink, rows)
-                        direct.read(0, note.push_from_layer)
+                        self._peer = pb.ShmChunk(
+                            pid=note.pid, layer_addresses=note.layer_addresses,
+                            push_from_layer=note.push_from_layer,
+                        )
+                        if early is not None and early.note == self._peer:
+                            direct = early  # our half is in; the notice says it was leased
+                            direct.landed(0, note.push_from_layer)
+                        else:
+                            direct = _DirectRead(note, self._remote_layout, block_ids, sink, rows)
+                            direct.read(0, note.push_from_layer)
                     else:
                         received += direct.finish(note.pushed_layers)
-                        consumed = 1
-                        outbox.put(pb.ShmPullRequest(consumed=consumed))
+                        outbox.put(pb.ShmPullRequest(consumed=1))
+                        # Every byte is in: no need to wait for the producer to end the call.
+                        self._settle(call)
+                        break
                     continue
                 chunk = self.check_chunk(note.header, len(block_ids))
                 if note.segment:
@@ -426,6 +448,35 @@ class ShmClient(GrpcClient):
         finally:
             outbox.put(None)
         return self.check_total(request.request_id, block_ids, received)
+
+    def _settle(self, call) -> None:
+        """Let a call end in the background: dropping the last reference would cancel it."""
+        self._settling.add(call)
+        call.add_done_callback(self._settling.discard)
+
+    def _read_early(
+        self, block_ids: Sequence[int], sink: ChunkSink, rows: list[tuple[int, int]]
+    ) -> _DirectRead | None:
+        """Copy our half of the layers before the producer's notice arrives; None if we cannot.
+
+        Safe because blocks are only ever freed after their lease is released or expired, and a
+        released or expired lease is never acquired again: if the notice then arrives (sent
+        while the producer holds the lease), the lease was live through this whole copy, so the
+        blocks held the prefill's KV. If the pull fails instead, the copy is discarded with it.
+        A notice naming another process or other addresses than this copy used (producer
+        restarted on the same endpoint) makes the pull read again.
+        """
+        if self._peer is None:
+            return None
+        assert isinstance(sink, CacheSink) and self._remote_layout is not None
+        reader = _DirectRead(self._peer, self._remote_layout, block_ids, sink, rows)
+        try:
+            reader.copy(0, self._peer.push_from_layer)
+        except (_DirectRefused, KVTransferError) as exc:
+            logger.info("early read from %s failed (%s); reading after the notice", self.endpoint, exc)
+            self._peer = None
+            return None
+        return reader
 
     def close(self) -> None:
         with self._segments_lock:
