@@ -35,7 +35,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdcluster.config import ONEDNN_CACHE_DEFAULT  # noqa: E402
+from pdcluster.config import ONEDNN_CACHE_DEFAULT, WORKER_SPIN_MS_DEFAULT  # noqa: E402
+from pdcluster.vllm_plugin import WORKER_SPIN_ENV  # noqa: E402
 from bench.common import (  # noqa: E402
     MODEL, RESULTS, ROOT, base_config, cluster, free_port, machine, metric_samples, process_role, write_results,
 )
@@ -65,8 +66,10 @@ def _vllm_serve(port: int, bind: str, side_port: int, log: Path) -> subprocess.P
         VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
         PDCLUSTER_NIXL_CPU_TUNING="1",
-        ONEDNN_PRIMITIVE_CACHE_CAPACITY=str(ONEDNN_CACHE_DEFAULT),  # as pdcluster's engines: equal settings
+        # as pdcluster's engines (our vLLM plugin is loaded by `vllm serve` too): equal settings
+        ONEDNN_PRIMITIVE_CACHE_CAPACITY=str(ONEDNN_CACHE_DEFAULT),
     )
+    env[WORKER_SPIN_ENV] = f"{WORKER_SPIN_MS_DEFAULT:g}"
     cmd = [
         sys.executable, "-m", "pdcluster.vllm_cli", "serve", str(MODEL),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),

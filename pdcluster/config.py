@@ -32,6 +32,8 @@ RoleName = Literal["prefill", "decode", "aggregated"]
 # oneDNN primitive cache per engine (roles.*.onednn_cache): bounded RSS at the same prefill speed
 # as oneDNN's 1024 (bench/results/2026-11-30-soak.md)
 ONEDNN_CACHE_DEFAULT = 128
+# busy-wait of vLLM's step queues (roles.*.worker_spin_ms; vLLM's own: 1000 ms)
+WORKER_SPIN_MS_DEFAULT = 5.0
 
 # Engine arguments the cluster owns: set once at the top level, never per role.
 RESERVED_ENGINE_ARGS = {
@@ -92,6 +94,13 @@ class RoleSection(_Model):
         "(ONEDNN_PRIMITIVE_CACHE_CAPACITY). oneDNN keeps a compiled kernel per GEMM shape and a "
         "prefill engine meets a new shape with every batch token count: at oneDNN's default of "
         "1024 entries its RSS grows by hundreds of MB before the cache is full.",
+    )
+    worker_spin_ms: float | None = Field(
+        WORKER_SPIN_MS_DEFAULT,
+        ge=0,
+        description="How long an engine's processes busy-wait for their next step before sleeping "
+        "(vLLM: 1 s after every step, so a prefill engine fed every few hundred ms spins a core "
+        "the router and the other engine need). null keeps vLLM's 1 s.",
     )
     async_scheduling: bool | None = Field(
         None,

@@ -59,6 +59,27 @@ def request_amx_permission() -> bool:
 
 
 NIXL_CPU_TUNING_ENV = "PDCLUSTER_NIXL_CPU_TUNING"
+WORKER_SPIN_ENV = "PDCLUSTER_WORKER_SPIN_MS"
+
+
+def set_worker_spin(milliseconds: float) -> bool:
+    """How long vLLM's shared-memory queue readers busy-wait after a message before sleeping.
+
+    Each engine worker reads its next step from such a queue, and for 1 s after every read it
+    spins on sched_yield (vLLM's default) before it waits on a socket: a prefill engine that
+    gets a request every few hundred ms never sleeps, and its spinning takes the cores the
+    router, the frontends and the other engine need on a small CPU host. Returns False where
+    this vLLM has no such queue.
+    """
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    spin = getattr(shm_broadcast, "SpinCondition", None)
+    defaults = getattr(getattr(spin, "__init__", None), "__defaults__", None)
+    if spin is None or defaults is None or len(defaults) != 1:
+        logger.warning("this vLLM has no SpinCondition(busy_loop_s=...); worker spin unchanged")
+        return False
+    spin.__init__.__defaults__ = (milliseconds / 1e3,)
+    return True
 
 
 def tune_nixl_for_cpu() -> None:
@@ -98,5 +119,7 @@ def register() -> None:
 
     setup_logging()  # our connector logs from vLLM's engine processes too
     request_amx_permission()
+    if os.environ.get(WORKER_SPIN_ENV):
+        set_worker_spin(float(os.environ[WORKER_SPIN_ENV]))
     if os.environ.get(NIXL_CPU_TUNING_ENV) == "1":
         tune_nixl_for_cpu()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdcluster.errors import ConfigError
+from pdcluster.vllm_plugin import WORKER_SPIN_ENV
 
 Role = Literal["prefill", "decode", "aggregated"]
 CONNECTOR_MODULE = "pdcluster.kv_transfer.connector"
@@ -40,6 +41,7 @@ class EngineSpec:
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"
     kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
     onednn_cache: int | None = None  # ONEDNN_PRIMITIVE_CACHE_CAPACITY (None: oneDNN's default)
+    worker_spin_ms: float | None = None  # step-queue busy-wait (vllm_plugin; None: vLLM's 1 s)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -97,6 +99,8 @@ class EngineSpec:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         if self.onednn_cache is not None:
             env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(self.onednn_cache)
+        if self.worker_spin_ms is not None:
+            env[WORKER_SPIN_ENV] = f"{self.worker_spin_ms:g}"
         return env
 
     def to_json(self) -> str:

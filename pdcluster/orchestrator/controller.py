@@ -131,6 +131,7 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
         cpu_threads_bind=section.bind_for(index),
         kv_cache_gib=section.kv_cache_gib,
         onednn_cache=section.onednn_cache,
+        worker_spin_ms=section.worker_spin_ms,
     )
 
 

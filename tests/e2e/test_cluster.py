@@ -158,12 +158,14 @@ def _engine_workers() -> list[psutil.Process]:
 
 
 def test_engine_processes_get_the_cpu_settings(cluster):
-    """Each engine worker runs with the bounded oneDNN cache and its KV cache on 2 MiB pages."""
+    """Each engine worker runs with the bounded oneDNN cache, the short step-queue spin and its KV
+    cache on 2 MiB pages."""
     workers = _engine_workers()
     assert len(workers) == 2
     thp = "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     for proc in workers:
         assert proc.environ().get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "128"
+        assert proc.environ().get("PDCLUSTER_WORKER_SPIN_MS") == "5"
         rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()
         huge_kib = int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("AnonHugePages:")))
         if thp:

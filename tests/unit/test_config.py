@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,7 @@ def test_engine_specs_follow_the_config():
     assert "secret" not in yaml.safe_dump(prefill.kv_extra)
     assert prefill.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert prefill.env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
+    assert prefill.env()["PDCLUSTER_WORKER_SPIN_MS"] == "5"
 
 
 def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
@@ -107,3 +109,16 @@ def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
     path.write_text(yaml.safe_dump({"model": {"path": str(model), "max_model_len": 8192}}))
     with pytest.raises(ConfigError, match=r"model.max_model_len: 8192 exceeds the model's max_position_embeddings \(4096\)"):
         load_config(path)
+
+
+def test_worker_spin_setting_reaches_vllms_step_queues():
+    """roles.*.worker_spin_ms travels as an env var that our vLLM plugin (loaded by every vLLM
+    process) applies to vLLM's shared-memory queues before they are made."""
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition; "
+        "print(SpinCondition.__init__.__defaults__[0])"
+    )
+    env = {**os.environ, "PDCLUSTER_WORKER_SPIN_MS": "5"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split()[-1] == "0.005"
