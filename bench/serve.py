@@ -35,8 +35,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdcluster.config import ONEDNN_CACHE_DEFAULT, WORKER_SPIN_MS_DEFAULT  # noqa: E402
-from pdcluster.vllm_plugin import WORKER_SPIN_ENV  # noqa: E402
+from pdcluster.config import RoleSection  # noqa: E402
+from pdcluster.engine.spec import EngineSpec  # noqa: E402
 from bench.common import (  # noqa: E402
     MODEL, RESULTS, ROOT, base_config, cluster, free_port, machine, metric_samples, process_role, write_results,
 )
@@ -59,17 +59,20 @@ def pdcluster_setup(name: str, mode: str, workdir: Path) -> Iterator[str]:
 
 
 def _vllm_serve(port: int, bind: str, side_port: int, log: Path) -> subprocess.Popen:
+    # The process settings pdcluster's engines get from a role with the config's defaults (our
+    # vLLM plugin is loaded by `vllm serve` too): equal settings.
+    role = RoleSection()
+    engine_env = EngineSpec(
+        role="aggregated", engine_id="vllm-serve", model=str(MODEL), cpu_threads_bind=bind,
+        kv_cache_gib=KV_GIB, onednn_cache=role.onednn_cache, worker_spin_ms=role.worker_spin_ms,
+    ).env()
     env = dict(
         os.environ,
-        VLLM_CPU_OMP_THREADS_BIND=bind,
-        VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
+        **engine_env,
         VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
         PDCLUSTER_NIXL_CPU_TUNING="1",
-        # as pdcluster's engines (our vLLM plugin is loaded by `vllm serve` too): equal settings
-        ONEDNN_PRIMITIVE_CACHE_CAPACITY=str(ONEDNN_CACHE_DEFAULT),
     )
-    env[WORKER_SPIN_ENV] = f"{WORKER_SPIN_MS_DEFAULT:g}"
     cmd = [
         sys.executable, "-m", "pdcluster.vllm_cli", "serve", str(MODEL),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),

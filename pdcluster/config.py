@@ -29,11 +29,6 @@ from pydantic import (
 from pdcluster.errors import ConfigError
 
 RoleName = Literal["prefill", "decode", "aggregated"]
-# oneDNN primitive cache per engine (roles.*.onednn_cache): bounded RSS at the same prefill speed
-# as oneDNN's 1024 (bench/results/2026-11-30-soak.md)
-ONEDNN_CACHE_DEFAULT = 128
-# busy-wait of vLLM's step queues (roles.*.worker_spin_ms; vLLM's own: 1000 ms)
-WORKER_SPIN_MS_DEFAULT = 5.0
 
 # Engine arguments the cluster owns: set once at the top level, never per role.
 RESERVED_ENGINE_ARGS = {
@@ -88,7 +83,7 @@ class RoleSection(_Model):
         None, ge=1, description="CPU only: KV cache size per engine, whole GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
     onednn_cache: int = Field(
-        ONEDNN_CACHE_DEFAULT,
+        128,  # bounded RSS at the same prefill speed as 1024 (bench/results/2026-11-30-soak.md)
         ge=0,
         description="CPU only: oneDNN primitive cache entries per engine process "
         "(ONEDNN_PRIMITIVE_CACHE_CAPACITY). oneDNN keeps a compiled kernel per GEMM shape and a "
@@ -96,7 +91,7 @@ class RoleSection(_Model):
         "1024 entries its RSS grows by hundreds of MB before the cache is full.",
     )
     worker_spin_ms: float | None = Field(
-        WORKER_SPIN_MS_DEFAULT,
+        5.0,
         ge=0,
         description="How long an engine's processes busy-wait for their next step before sleeping "
         "(vLLM: 1 s after every step, so a prefill engine fed every few hundred ms spins a core "

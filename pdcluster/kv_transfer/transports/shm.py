@@ -289,7 +289,6 @@ class _DirectRead:
         if not 0 <= note.push_from_layer <= len(rows):
             raise KVTransferError(f"direct shm notice pushes from layer {note.push_from_layer}")
         self.note, self.block_ids, self.sink, self.rows = note, block_ids, sink, rows
-        self.done = 0  # layers [0, done) are in our cache
 
     def copy(self, start: int, stop: int) -> None:
         """Copy layers [start, stop) of our blocks out of the producer's cache."""
