@@ -10,7 +10,7 @@ CONFIG ?= configs/local-cpu.yaml
 # on machines without a local wheel folder holding torch 2.13.0+cpu.
 PIP_EXTRA ?=
 
-.PHONY: setup run test test-unit test-e2e protos lint clean
+.PHONY: setup run test test-unit test-e2e protos clean
 
 setup: $(STAMP)
 
