@@ -39,6 +39,9 @@ from pdcluster.orchestrator.replicas import ReplicaState
 logger = logging.getLogger(__name__)
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Prompts up to this many characters (~1k tokens, ~1 ms) are tokenized on the event loop;
+# longer ones in a thread (the fast tokenizer releases the GIL while it encodes).
+INLINE_TOKENIZE_CHARS = 4096
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 
 
@@ -94,6 +97,7 @@ class Router:
         self._keys = [k.encode() for k in settings.api_keys]
         self._faults = random.Random(0)
         self._tokenizer = None
+        self._tokenizer_loading: asyncio.Future | None = None
         self.http: httpx.AsyncClient | None = None
         self.app = self._build_app()
         self._server = None
@@ -144,6 +148,9 @@ class Router:
         import socket
 
         import uvicorn
+
+        if self.settings.tokenizer_path:
+            self._tokenizer_loading = asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
 
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
@@ -278,8 +285,11 @@ class Router:
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("'messages' must be a non-empty list.", param="messages")
 
-    def _prompt_tokens(self, body: dict[str, Any], kind: str) -> int:
-        """Estimated prompt tokens, for load balancing only (the engine counts exactly)."""
+    async def _prompt_tokens(self, body: dict[str, Any], kind: str) -> int:
+        """Estimated prompt tokens, for load balancing only (the engine counts exactly).
+
+        Counted with the model's tokenizer once it has loaded (in the background from start());
+        long texts are tokenized off the event loop so that other streams keep flowing."""
         if kind == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -287,13 +297,25 @@ class Router:
             text = prompt if isinstance(prompt, str) else json.dumps(prompt)
         else:
             text = json.dumps(body.get("messages"))
-        if self._tokenizer is None and self.settings.tokenizer_path:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            return max(1, len(text) // 4)
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return len(tokenizer(text)["input_ids"])
+        return len((await asyncio.to_thread(tokenizer, text))["input_ids"])
+
+    def _load_tokenizer(self) -> None:
+        """Runs in a thread from start(): importing transformers and loading a tokenizer takes
+        seconds, which on the event loop would stall every request that arrived meanwhile."""
+        try:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer_path)
-        if self._tokenizer is not None:
-            return len(self._tokenizer(text)["input_ids"])
-        return max(1, len(text) // 4)
+        except (OSError, ValueError, ImportError) as exc:
+            logger.warning(
+                "router: tokenizer %s did not load (%s); prompt sizes are estimated from their length",
+                self.settings.tokenizer_path, exc,
+            )
 
     # -- request path ----------------------------------------------------------------------
 
@@ -306,7 +328,7 @@ class Router:
             self.metrics.requests.labels(kind, "client_error").inc()
             return exc.response()
         try:
-            tokens = self._prompt_tokens(body, kind)
+            tokens = await self._prompt_tokens(body, kind)
             if self.settings.mode == "disaggregated":
                 return await self._disaggregated(body, kind, tokens, started)
             return await self._single(body, kind, tokens, started)

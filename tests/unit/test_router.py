@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+from pathlib import Path
 
 import httpx
 
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router, RouterSettings
+
+TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "pdcluster-tiny-code"
 
 
 def closed_port() -> int:
@@ -57,3 +60,44 @@ def test_aggregated_replicas_unreachable_gives_503():
                                  {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
     assert response.status_code == 503, response.text
     assert response.json()["error"]["type"] == "service_unavailable"
+
+
+def test_prompt_tokens_counted_by_the_tokenizer_loaded_in_the_background():
+    from transformers import AutoTokenizer
+
+    from pdcluster.orchestrator.router import INLINE_TOKENIZE_CHARS
+
+    model = str(TINY_MODEL)
+    reference = AutoTokenizer.from_pretrained(model)
+    short = "def add(a, b):\n    return a + b\n"
+    long = "for i in range(10):\n    total += i * x\n" * (INLINE_TOKENIZE_CHARS // 30 + 10)
+    assert len(long) > INLINE_TOKENIZE_CHARS >= len(short)
+
+    async def scenario():
+        router = Router(RouterSettings(model_name="tiny", tokenizer_path=model))
+        await router.start("127.0.0.1", 0)  # returns without waiting for the tokenizer
+        try:
+            await router._tokenizer_loading
+            counted = [await router._prompt_tokens({"prompt": text}, "completions") for text in (short, long)]
+            by_ids = await router._prompt_tokens({"prompt": [1, 2, 3]}, "completions")
+        finally:
+            await router.stop()
+        return counted, by_ids
+
+    counted, by_ids = asyncio.run(scenario())
+    assert counted == [len(reference(short)["input_ids"]), len(reference(long)["input_ids"])]
+    assert by_ids == 3
+
+
+def test_a_tokenizer_that_does_not_load_leaves_the_router_estimating(tmp_path, caplog):
+    async def scenario():
+        router = Router(RouterSettings(model_name="tiny", tokenizer_path=str(tmp_path / "missing")))
+        await router.start("127.0.0.1", 0)
+        try:
+            await router._tokenizer_loading
+            return await router._prompt_tokens({"prompt": "x" * 400}, "completions")
+        finally:
+            await router.stop()
+
+    assert asyncio.run(scenario()) == 100
+    assert "did not load" in caplog.text
