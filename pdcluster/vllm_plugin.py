@@ -62,23 +62,35 @@ NIXL_CPU_TUNING_ENV = "PDCLUSTER_NIXL_CPU_TUNING"
 WORKER_SPIN_ENV = "PDCLUSTER_WORKER_SPIN_MS"
 
 
+# How often a reader that stopped spinning re-reads its queue (vLLM: every 5 s).
+IDLE_RECHECK_MS = 20
+
+
 def set_worker_spin(milliseconds: float) -> bool:
     """How long vLLM's shared-memory queue readers busy-wait after a message before sleeping.
 
     Each engine worker reads its next step from such a queue, and for 1 s after every read it
     spins on sched_yield (vLLM's default) before it waits on a socket: a prefill engine that
     gets a request every few hundred ms never sleeps, and its spinning takes the cores the
-    router, the frontends and the other engine need on a small CPU host. Returns False where
-    this vLLM has no such queue.
+    router, the frontends and the other engine need on a small CPU host.
+
+    A sleeping reader is woken by the writer's ZMQ ping, which vLLM sends best-effort (a PUB
+    socket with SNDHWM=1 drops it silently) and backs up by re-reading the queue every 5 s.
+    With a 1 s spin readers seldom sleep; with a short one they sleep between most steps, and a
+    lost ping stalled a busy engine for exactly 5 s (5.0 s gaps in bench/serve.py's streams). So
+    a shortened spin comes with a sleeping reader that re-reads its queue every IDLE_RECHECK_MS.
+    Returns False where this vLLM has no such queue.
     """
     from vllm.distributed.device_communicators import shm_broadcast
 
     spin = getattr(shm_broadcast, "SpinCondition", None)
     defaults = getattr(getattr(spin, "__init__", None), "__defaults__", None)
-    if spin is None or defaults is None or len(defaults) != 1:
-        logger.warning("this vLLM has no SpinCondition(busy_loop_s=...); worker spin unchanged")
+    recheck = getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None)
+    if spin is None or defaults is None or len(defaults) != 1 or not isinstance(recheck, int):
+        logger.warning("this vLLM's shm queues differ from the ones we tune; worker spin unchanged")
         return False
     spin.__init__.__defaults__ = (milliseconds / 1e3,)
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(recheck, IDLE_RECHECK_MS)
     return True
 
 

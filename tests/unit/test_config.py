@@ -13,6 +13,7 @@ import yaml
 from pdcluster.config import load_config, validate_config
 from pdcluster.errors import ConfigError
 from pdcluster.orchestrator.controller import engine_spec
+from pdcluster.vllm_plugin import IDLE_RECHECK_MS
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"model": {"path": "models/pdcluster-tiny-code"}}
@@ -113,12 +114,15 @@ def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
 
 def test_worker_spin_setting_reaches_vllms_step_queues():
     """roles.*.worker_spin_ms travels as an env var that our vLLM plugin (loaded by every vLLM
-    process) applies to vLLM's shared-memory queues before they are made."""
+    process) applies to vLLM's shared-memory queues before they are made; with it, a reader
+    that went to sleep re-reads its queue every IDLE_RECHECK_MS, not every 5 s (a lost wake-up
+    ping stalled engines for 5 s)."""
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins(); "
-        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition; "
-        "print(SpinCondition.__init__.__defaults__[0])"
+        "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition; "
+        "idle = MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False); "
+        "print(SpinCondition.__init__.__defaults__[0], idle.timeout_ms())"
     )
     env = {**os.environ, "PDCLUSTER_WORKER_SPIN_MS": "5"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.split()[-1] == "0.005"
+    assert out.stdout.split()[-2:] == ["0.005", str(IDLE_RECHECK_MS)]
