@@ -7,6 +7,7 @@ leases.py      P-side lease table (LEASED -> TRANSFERRING -> RELEASED)
 staging.py     event-synced non-blocking device<->host staging
 kv_cache.py    the paged cache as transfers see it; chunk planning
 protocol.py    protocol version, KV layout, compatibility checks
+params.py      keys of kv_transfer_params (vLLM-free: the router reads them too)
 wire.py        copy-free KVChunk encoding
 transports/    the transport interface and its backends (grpc)
 """
