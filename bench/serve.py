@@ -2,11 +2,13 @@
 
 Setups, started in turn on the same 2 cores with the same model and engine settings:
   pd          pdcluster, 1 prefill (core 0) + 1 decode (core 1), KV over our connector (backend
-              `auto`: shared memory, both on one node)
+              `auto`: shared memory, both on one node); streams get the prefill's first token at
+              once (router.first_token_from_prefill, the default)
   aggregated  pdcluster `mode: aggregated`, 2 replicas (core 0, core 1), no handoff
   vllm-pd     two `vllm serve` engines with vLLM's NixlConnector (CPU buffers, tuned: no UCX
               progress thread, no NIXL core pin; prefill core 0, decode core 1) behind a minimal
               proxy doing the do_remote_decode -> kv_transfer_params handoff (bench/vllm_pd_proxy.py)
+  pd-classic  `pd` with first_token_from_prefill off: decode samples the first token (diagnostic)
 Workloads, driven by vLLM's own client (`vllm bench serve`, random dataset), so the numbers are
 computed by a tool we did not write:
   steady        short prompts at a steady Poisson rate
@@ -14,7 +16,7 @@ computed by a tool we did not write:
                 (two `vllm bench serve` runs at once; ITL is read from the decode-heavy one)
 Writes bench/results/<date>-serve.{md,json} and TTFT/ITL CDF plots (PNG).
 
-Usage: python bench/serve.py [--setups pd aggregated vllm-pd] [--workloads steady interference] [--quick]
+Usage: python bench/serve.py [--setups pd aggregated vllm-pd pd-classic] [--workloads steady interference light] [--quick]
 """
 
 from __future__ import annotations
@@ -47,13 +49,16 @@ KV_GIB = 2
 
 
 @contextlib.contextmanager
-def pdcluster_setup(name: str, mode: str, workdir: Path) -> Iterator[str]:
+def pdcluster_setup(name: str, mode: str, workdir: Path, first_token_from_prefill: bool = True) -> Iterator[str]:
     roles = {
         "prefill": {"replicas": 1 if mode == "disaggregated" else 0, "cpu_bind": ["0"], "kv_cache_gib": KV_GIB, "engine_args": ENGINE_ARGS},
         "decode": {"replicas": 1 if mode == "disaggregated" else 0, "cpu_bind": ["1"], "kv_cache_gib": KV_GIB, "engine_args": ENGINE_ARGS},
         "aggregated": {"replicas": 2 if mode == "aggregated" else 0, "cpu_bind": ["0", "1"], "kv_cache_gib": KV_GIB, "engine_args": ENGINE_ARGS},
     }
-    config = base_config(name, mode=mode, roles=roles, speculative=None, model={"max_model_len": MAX_MODEL_LEN})
+    config = base_config(
+        name, mode=mode, roles=roles, speculative=None, model={"max_model_len": MAX_MODEL_LEN},
+        router={"first_token_from_prefill": first_token_from_prefill},
+    )
     with cluster(config, workdir) as endpoint:
         yield endpoint
 
@@ -290,7 +295,10 @@ WORKLOADS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setups", nargs="+", default=["pd", "aggregated", "vllm-pd"])
+    parser.add_argument(
+        "--setups", nargs="+", default=["pd", "aggregated", "vllm-pd", "pd-classic"],
+        help="pd-classic: pdcluster P/D with router.first_token_from_prefill off (decode samples the first token)",
+    )
     parser.add_argument("--workloads", nargs="+", default=["steady", "interference", "light"])
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
     args = parser.parse_args(argv)
@@ -308,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             starter = {
                 "pd": lambda: pdcluster_setup("bench-pd", "disaggregated", workdir),
                 "aggregated": lambda: pdcluster_setup("bench-agg", "aggregated", workdir),
+                "pd-classic": lambda: pdcluster_setup("bench-pd-classic", "disaggregated", workdir, first_token_from_prefill=False),
                 "vllm-pd": lambda: vllm_pd_setup(workdir),
             }[setup]
             try:
@@ -335,6 +344,9 @@ def report(raw: dict, notes: dict, workloads: dict, args) -> None:
         "Numbers computed by `vllm bench serve` (random dataset, Poisson arrivals, ignore_eos).",
         "ITL is the gap between SSE chunks as the client reads them: on 2 busy cores several tokens often "
         "arrive in one read, hence ITL p50 near 0 ms; p99 is the stall a user sees.",
+        "`pd` streams the prefill's first token at once and decode continues after it "
+        "(`router.first_token_from_prefill`, the default); `pd-classic` is the same cluster with it off "
+        "(decode samples the first token after the handoff, as in vLLM's own P/D).",
         "",
     ]
     for name, workload in workloads.items():
@@ -415,6 +427,10 @@ def verdicts(raw: dict, workloads: dict) -> list[str]:
     if "interference" in workloads:
         check("interference, P/D ITL p99 vs vLLM P/D", metric(raw, "pd", "interference", "decode", "itl_p99_ms"),
               metric(raw, "vllm-pd", "interference", "decode", "itl_p99_ms"), 1.0)
+    for name, stream, key in (("steady", "short", "ttft_p50_ms"), ("steady", "short", "itl_p99_ms"), ("interference", "decode", "itl_p99_ms")):
+        ours, classic = metric(raw, "pd", name, stream, key), metric(raw, "pd-classic", name, stream, key)
+        if name in workloads and ours is not None and classic is not None:
+            out.append(f"- (diagnostic) {name}, P/D {key} with the first token from the prefill vs without (pd-classic): {ours:.1f} / {classic:.1f} ms = {ours / classic:.2f}x")
     if "light" in workloads:
         for other in ("aggregated", "vllm-pd"):
             ours, theirs = metric(raw, "pd", "light", "short", "ttft_p50_ms"), metric(raw, other, "light", "short", "ttft_p50_ms")

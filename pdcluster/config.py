@@ -218,6 +218,11 @@ class RouterSection(_Model):
     api_keys_file: str | None = Field(None, description="File with one API key per line.")
     request_timeout_seconds: float = Field(600, gt=0, description="Upper bound on one request.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
+    first_token_from_prefill: bool = Field(
+        True,
+        description="Stream the prefill's first token at once; decode continues after it "
+        "(streaming requests whose fields allow it; see README).",
+    )
     fault_injection: RouterFaultInjection = Field(default_factory=RouterFaultInjection, description="Tests/drills.")
 
 

@@ -168,6 +168,7 @@ class Controller:
             max_body_bytes=cfg.router.max_body_bytes,
             max_model_len=cfg.model.max_model_len,
             tokenizer_path=cfg.model.tokenizer or cfg.model.path,
+            first_token_from_prefill=cfg.router.first_token_from_prefill,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
         )
         self.router = ray.remote(RouterActor).options(

@@ -120,6 +120,9 @@ class RouterMetrics:
         self.prefill = Histogram("pdcluster_prefill_seconds", "Prefill phase incl. KV lease setup", buckets=LATENCY_BUCKETS, registry=r)
         self.inflight = Gauge("pdcluster_replica_inflight", "Requests the router has in flight per replica", ["replica", "role"], registry=r)
         self.retries = Counter("pdcluster_retries", "Phase retries on another replica", ["role"], registry=r)
+        self.first_token_source = Counter(
+            "pdcluster_first_token_source", "Disaggregated requests by the replica whose first token the client got", ["role"], registry=r
+        )
         router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
         router_rss.set_function(process_tree_rss)  # as `status` reports it
         r.register(_EngineCollector(engine_rows))

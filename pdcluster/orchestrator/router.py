@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcluster.errors import NoReplicaError, PDClusterError, ReplicaError
+from pdcluster.orchestrator import continuation
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad, make_policy
 from pdcluster.orchestrator.replicas import ReplicaState
@@ -56,6 +57,7 @@ class RouterSettings:
     max_model_len: int | None = None
     tokenizer_path: str | None = None
     phase_attempts: int = 3
+    first_token_from_prefill: bool = True  # router.first_token_from_prefill (continuation.py)
     abandon_after_prefill_rate: float = 0.0  # fault injection (router.fault_injection)
 
 
@@ -403,9 +405,14 @@ class Router:
 
     async def _disaggregated(self, body: dict[str, Any], kind: str, tokens: int, started: float) -> Response:
         """Prefill, then decode; a decode replica that cannot be reached before it answered is
-        excluded and the request is prefilled again for another one (its old lease expires)."""
+        excluded and the request is prefilled again for another one (its old lease expires).
+        Streaming requests that allow it get the prefill's first token at once and the decode
+        replica continues after it (continuation.py)."""
         path = ENDPOINTS[kind]
         prefill_body = self._prefill_body(body, kind)
+        continuing = self.settings.first_token_from_prefill and continuation.continuable(body, kind)
+        if continuing:
+            prefill_body["return_token_ids"] = True
         excluded: set[str] = set()
         for attempt in range(self.settings.phase_attempts):
             request_id = uuid.uuid4().hex
@@ -413,16 +420,22 @@ class Router:
             if p_resp.status_code != 200:
                 self.metrics.requests.labels(kind, "client_error" if p_resp.status_code < 500 else "upstream_error").inc()
                 return Response(p_resp.content, status_code=p_resp.status_code, media_type="application/json")
-            params = p_resp.json().get("kv_transfer_params")
+            answer = p_resp.json()
+            params = answer.get("kv_transfer_params")
             if not params:
                 raise ReplicaError(f"prefill replica {prefill.replica_id} returned no kv_transfer_params")
             if self._faults.random() < self.settings.abandon_after_prefill_rate:
                 # Injected fault: the client is gone between phases; nobody pulls this KV.
                 self.metrics.requests.labels(kind, "abandoned").inc()
                 return error_response(503, "injected fault: request abandoned after prefill", "fault_injection")
+            first = continuation.first_token(answer, kind, params) if continuing else None
+            self.metrics.first_token_source.labels("prefill" if first is not None else "decode").inc()
+            decode = self.policy.choose(list(self.replicas.values()), "decode", exclude=excluded)
+            if first is not None:
+                continued = continuation.decode_body(body, kind, first, params)
+                return self._continue(first, continued, kind, tokens, started, prefill, decode, request_id)
             decode_body = dict(body)
             decode_body["kv_transfer_params"] = params
-            decode = self.policy.choose(list(self.replicas.values()), "decode", exclude=excluded)
             explain = functools.partial(self._kv_failure, prefill, decode, request_id)
             try:
                 return await self._deliver(
@@ -503,12 +516,91 @@ class Router:
             headers={"Cache-Control": "no-cache", **headers},
         )
 
+    def _continue(
+        self, first: continuation.FirstToken, body: dict[str, Any], kind: str, tokens: int, started: float,
+        prefill: ReplicaLoad, decode: ReplicaLoad, request_id: str,
+    ) -> Response:
+        """Stream the prefill's first token now; the decode replica's continuation follows.
+
+        The continuation request leaves at once and travels while the client reads the first
+        token. A decode replica that cannot be reached before it answered is replaced by another
+        one (the prompt's KV stays leased on the producer), up to phase_attempts."""
+        self._enter(decode, tokens)
+        relay = _Relay(self, None, decode, tokens, kind, started)
+        relay.pending = asyncio.ensure_future(
+            self._send(decode, continuation.CONTINUATION_PATH, body, True, request_id)
+        )
+        return RelayResponse(
+            self._continuation(first, body, prefill, relay, request_id),
+            relay,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-PDCluster-Prefill": prefill.replica_id, "X-PDCluster-Decode": decode.replica_id},
+        )
+
+    async def _continuation(
+        self, first: continuation.FirstToken, body: dict[str, Any], prefill: ReplicaLoad, relay: _Relay, request_id: str,
+    ) -> AsyncIterator[bytes]:
+        decode = relay.replica
+        assert decode is not None and relay.pending is not None
+        clock = _TokenClock(self.metrics, decode.replica_id, relay.started)
+        tried = {decode.replica_id}
+        try:
+            for line in continuation.prelude(first, relay.kind):
+                clock.see(line)
+                yield (line + "\n").encode()
+            while True:
+                try:
+                    upstream = await relay.pending
+                    break
+                except httpx.HTTPError as exc:  # reached, then failed (not ReplicaUnreachable)
+                    raise ReplicaError(f"decode replica {decode.replica_id} failed: {type(exc).__name__}: {exc}") from exc
+                except ReplicaUnreachable as exc:
+                    self._leave(decode, relay.tokens)
+                    relay.replica = relay.pending = None
+                    if len(tried) >= self.settings.phase_attempts:
+                        raise ReplicaError(f"no decode replica could continue the request after {len(tried)} attempts") from exc
+                    self.metrics.retries.labels("decode").inc()
+                    decode = self.policy.choose(list(self.replicas.values()), "decode", exclude=tried)
+                    tried.add(decode.replica_id)
+                    self._enter(decode, relay.tokens)
+                    relay.replica = decode
+                    relay.pending = asyncio.ensure_future(
+                        self._send(decode, continuation.CONTINUATION_PATH, body, True, request_id)
+                    )
+            relay.upstream = upstream
+            if upstream.status_code != 200:
+                relay.outcome = "client_error" if upstream.status_code < 500 else "upstream_error"
+                content = (await upstream.aread()).decode(errors="replace")
+                yield f"data: {content}\n\n".encode()
+                return
+            explain = functools.partial(self._kv_failure, prefill, decode, request_id)
+            async for chunk in self._relay_lines(upstream, decode, relay, clock, explain, first):
+                yield chunk
+        except PDClusterError as exc:
+            relay.outcome = "upstream_error"
+            error = {"error": {"message": str(exc), "type": exc.error_type, "code": exc.http_status}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            await relay.close()
+
     async def _stream(
         self, upstream: httpx.Response, replica: ReplicaLoad, relay: _Relay, started: float,
         explain: Callable[[], Awaitable[JSONResponse | None]] | None = None,
     ) -> AsyncIterator[bytes]:
-        window = self.metrics.window(replica.replica_id)
-        last_token: float | None = None
+        clock = _TokenClock(self.metrics, replica.replica_id, started)
+        try:
+            async for chunk in self._relay_lines(upstream, replica, relay, clock, explain):
+                yield chunk
+        finally:
+            await relay.close()
+
+    async def _relay_lines(
+        self, upstream: httpx.Response, replica: ReplicaLoad, relay: _Relay, clock: _TokenClock,
+        explain: Callable[[], Awaitable[JSONResponse | None]] | None = None,
+        first: continuation.FirstToken | None = None,
+    ) -> AsyncIterator[bytes]:
+        """The replica's SSE lines to the client: a KV failure explained, a continuation
+        rewritten as the client's own request (`first`), a broken upstream ended with an error."""
         try:
             async for line in upstream.aiter_lines():
                 if line.startswith('data: {"error"') and explain is not None:
@@ -516,17 +608,9 @@ class Router:
                     if (clear := await explain()) is not None:
                         relay.outcome = "kv_transfer_error"
                         line = "data: " + clear.body.decode()
-                if line.startswith("data: ") and _has_token(line):
-                    now = time.perf_counter()
-                    if last_token is None:
-                        ttft = now - started
-                        self.metrics.ttft.observe(ttft)
-                        window.ttft.add(ttft)
-                    else:
-                        itl = now - last_token
-                        self.metrics.itl.observe(itl)
-                        window.itl.add(itl)
-                    last_token = now
+                elif first is not None:
+                    line = continuation.rewrite(line, relay.kind, first)
+                clock.see(line)
                 yield (line + "\n").encode()
         except (httpx.HTTPError, OSError) as exc:
             relay.outcome = "upstream_error"
@@ -536,17 +620,39 @@ class Router:
         except asyncio.CancelledError:
             relay.outcome = "cancelled"  # client went away; closing upstream aborts the engine request
             raise
-        finally:
-            await relay.close()
+
+
+class _TokenClock:
+    """TTFT and inter-token gaps of one relayed stream, as the client sees them."""
+
+    def __init__(self, metrics: RouterMetrics, replica_id: str, started: float):
+        self.metrics, self.window, self.started = metrics, metrics.window(replica_id), started
+        self.last: float | None = None
+
+    def see(self, line: str) -> None:
+        if not (line.startswith("data: ") and _has_token(line)):
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.started)
+            self.window.ttft.add(now - self.started)
+        else:
+            self.metrics.itl.observe(now - self.last)
+            self.window.itl.add(now - self.last)
+        self.last = now
 
 
 class _Relay:
     """Cleanup of one relayed stream, run exactly once however the response ends: normally,
     on a broken upstream, on a client disconnect mid-stream, or before the first byte."""
 
-    def __init__(self, router: Router, upstream: httpx.Response, replica: ReplicaLoad, tokens: int, kind: str, started: float):
+    def __init__(
+        self, router: Router, upstream: httpx.Response | None, replica: ReplicaLoad | None,
+        tokens: int, kind: str, started: float,
+    ):
         self.router, self.upstream, self.replica = router, upstream, replica
         self.tokens, self.kind, self.started = tokens, kind, started
+        self.pending: asyncio.Future | None = None  # the upstream request while it is on its way
         self.outcome = "ok"
         self._closed = False
 
@@ -555,9 +661,16 @@ class _Relay:
             return
         self._closed = True
         try:
-            await self.upstream.aclose()  # closing upstream aborts the engine's request
+            if self.upstream is None and self.pending is not None:
+                if not self.pending.done():
+                    self.pending.cancel()
+                elif not self.pending.cancelled() and self.pending.exception() is None:
+                    self.upstream = self.pending.result()
+            if self.upstream is not None:
+                await self.upstream.aclose()  # closing upstream aborts the engine's request
         finally:
-            self.router._leave(self.replica, self.tokens)
+            if self.replica is not None:
+                self.router._leave(self.replica, self.tokens)
             self.router.metrics.e2e.observe(time.perf_counter() - self.started)
             self.router.metrics.requests.labels(self.kind, self.outcome).inc()
 

@@ -4,6 +4,7 @@ prefill + decode actors, router), the official openai client, scaling under load
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,35 @@ def test_chat_matches_streaming_and_not(client, reference):
         assert text == expected
 
 
+def _first_token_sources(cluster) -> dict[str, float]:
+    text = httpx.get(cluster.endpoint + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
+    found = re.findall(r'^pdcluster_first_token_source_total\{role="(\w+)"\} ([0-9.]+)$', text, re.M)
+    return {role: float(value) for role, value in found}
+
+
+def test_streams_take_their_first_token_from_the_prefill(cluster, client, reference):
+    """A streamed request gets the prefill's first token and the decode replica continues after
+    it: same text, one response id, usage as the client's own request; a request the split
+    cannot serve as asked (a stop string) takes the classic path, also right."""
+    before = _first_token_sources(cluster)
+    prompt, expected = PROMPTS[1], reference["completions"][1]
+    chunks = list(client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert len({c.id for c in chunks}) == 1
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    classic = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True, stop=["<never-in-code>"])
+    assert "".join(c.choices[0].text for c in classic if c.choices) == expected
+    after = _first_token_sources(cluster)
+    assert after.get("prefill", 0) - before.get("prefill", 0) == 1
+    assert after.get("decode", 0) - before.get("decode", 0) == 2  # the JSON request and the stop one
+
+
 def test_models_health_and_metrics(cluster):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=cluster.endpoint, timeout=30) as http:
@@ -97,7 +127,7 @@ def test_models_health_and_metrics(cluster):
                  "pdcluster_requests_total", "pdcluster_replica_inflight", "pdcluster_kv_handoff_bytes_total",
                  "pdcluster_kv_pull_seconds_total", "pdcluster_replica_waiting",
                  "pdcluster_spec_draft_tokens_total", "pdcluster_spec_acceptance_rate",
-                 "pdcluster_spec_mean_accepted_length"):
+                 "pdcluster_spec_mean_accepted_length", "pdcluster_first_token_source_total"):
         assert name in metrics, name
 
 

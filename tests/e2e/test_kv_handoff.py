@@ -10,6 +10,7 @@ router does: prefill with max_tokens=1 and do_remote_decode, then decode with th
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -232,3 +233,49 @@ def test_each_decode_reports_the_backend_it_uses_with_the_prefill(engines, decod
         lambda: info(engines[decode])["stats"].get("kv_backends"), 30, "backend in decode stats"
     )
     assert backends == {"prefill": FAST[decode]}
+
+
+def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engines):
+    """The router (in process) in front of these engines: every stream gets its first token from
+    the prefill and decode continues after it, token for token what the aggregated engine says;
+    a decode replica that cannot be reached is replaced by the live one without prefilling again."""
+    import asyncio
+    import socket
+
+    from pdcluster.orchestrator.replicas import ReplicaState
+    from pdcluster.orchestrator.router import Router, RouterSettings
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # refused once released
+    prompts = [token_prompt(40 + 53 * i, offset=3000 + 97 * i) for i in range(4)]
+    expected = [complete(engines["agg"], p, 10).json()["choices"][0]["text"] for p in prompts]
+    rows = [
+        {"replica_id": rid, "role": role, "url": url, "state": int(ReplicaState.READY), "node": "127.0.0.1", "stats": {}}
+        for rid, role, url in (("prefill-0", "prefill", engines["prefill"].url), ("decode-dead", "decode", dead),
+                               ("decode-0", "decode", engines["decode"].url))
+    ]
+
+    async def scenario():
+        router = Router(RouterSettings(model_name=NAME, policy="round_robin"))
+        router.update_replicas(rows)
+        url = await router.start("127.0.0.1", 0)
+        texts = []
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                for prompt in prompts:
+                    body = {"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                        assert response.status_code == 200
+                        assert response.headers["x-pdcluster-prefill"] == "prefill-0"
+                        events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: {")]
+                    texts.append("".join(c["text"] for e in events for c in json.loads(e)["choices"]))
+        finally:
+            await router.stop()
+        return texts, router.metrics.exposition().decode(), router.inflight()
+
+    texts, metrics, inflight = asyncio.run(scenario())
+    assert texts == expected
+    assert 'pdcluster_first_token_source_total{role="prefill"} 4.0' in metrics
+    assert 'pdcluster_retries_total{role="decode"}' in metrics and 'pdcluster_retries_total{role="prefill"}' not in metrics
+    assert all(count == 0 for count in inflight.values())

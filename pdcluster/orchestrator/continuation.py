@@ -1,0 +1,183 @@
+"""First token from the prefill: stream it at once, let the decode replica continue after it.
+
+The prefill replica computes the whole prompt and samples the first token anyway (max_tokens=1).
+Classic P/D drops that token and the decode replica samples it again after the KV handoff, so the
+client's first token waits for the handoff, a decode step and a second HTTP hop. With
+`router.first_token_from_prefill` (default on) the router streams the prefill's token as soon as
+the prefill answers and asks the decode replica to continue *after* it: a completions request
+over the exact token ids, prompt plus that token, one token fewer to generate. The prompt's KV
+is pulled as before (the producer computed exactly those prompt tokens); decode computes the one
+new position. No token reaches the client later than on the classic path; the first one arrives
+a handoff earlier.
+
+Only requests whose meaning survives the split take this path: streaming, one choice, and only
+fields that mean the same for the continuation (`CONTINUABLE_FIELDS`). Anything else takes the
+classic path: stop strings (one could straddle the two replicas' texts), logprobs, echo, tools,
+response formats, penalties over output tokens; and so does a prefill that stopped at its first
+token, returned an incomplete UTF-8 character, or computed fewer tokens than the prompt (MTP
+back-off).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.kv_transfer import params as md
+
+CONTINUATION_PATH = "/v1/completions"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) default for /v1/completions
+
+# Request fields with the same meaning for the continuation (a completions request over token
+# ids that generates one token fewer); `max_tokens`-like limits and `min_tokens` are adjusted.
+CONTINUABLE_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+    "repetition_penalty", "user", "n", "skip_special_tokens", "spaces_between_special_tokens",
+})
+# Other fields are fine while they are off (clients send defaults): "empty" None/""/[], "zero"
+# None/0, "false" None/False (completions' logprobs=0 is not off: it returns a logprob).
+NEUTRAL_WHEN = {"stop": "empty", "presence_penalty": "zero", "frequency_penalty": "zero", "logprobs": "false", "echo": "false"}
+_PROMPT_FIELD = {"completions": "prompt", "chat": "messages"}
+
+
+def output_limit(body: dict[str, Any], kind: str) -> int | None:
+    """The client's bound on generated tokens (None: up to the context length)."""
+    if kind == "chat":
+        limit = body.get("max_completion_tokens")
+        return body.get("max_tokens") if limit is None else limit
+    return body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+
+def _neutral(key: str, value: Any) -> bool:
+    off = NEUTRAL_WHEN.get(key)
+    if off is None:
+        return False
+    if value is None:
+        return True
+    if off == "false":
+        return value is False
+    if off == "zero":
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
+    return value in ("", [])
+
+
+def continuable(body: dict[str, Any], kind: str) -> bool:
+    """Can this request take its first token from the prefill (see the module docstring)?"""
+    if body.get("stream") is not True or body.get("n") not in (None, 1):
+        return False
+    for key, value in body.items():
+        if key == _PROMPT_FIELD[kind] or value is None or _neutral(key, value):
+            continue  # a null field is the field's default
+        if key not in CONTINUABLE_FIELDS:
+            return False
+    limit = output_limit(body, kind)
+    if limit is not None and limit < 2:
+        return False
+    if kind == "completions":
+        prompt = body.get("prompt")
+        single_text = isinstance(prompt, str)
+        single_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        return single_text or single_ids
+    return True
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    text: str
+    prompt_ids: list[int]
+    response_id: str
+    created: int
+    model: str
+
+
+def first_token(answer: dict[str, Any], kind: str, kv_params: dict[str, Any]) -> FirstToken | None:
+    """The prefill's first token, if the decode replica can continue after it; else None."""
+    choices = answer.get("choices") or []
+    if len(choices) != 1 or choices[0].get("finish_reason") != "length":
+        return None  # stopped at its first token (EOS, stop token): the classic path ends it
+    choice = choices[0]
+    ids = choice.get("token_ids")
+    if kind == "completions":
+        prompt_ids, text = choice.get("prompt_token_ids"), choice.get("text")
+    else:
+        prompt_ids, text = answer.get("prompt_token_ids"), (choice.get("message") or {}).get("content")
+    if not (isinstance(ids, list) and len(ids) == 1 and isinstance(prompt_ids, list) and prompt_ids):
+        return None
+    if not isinstance(text, str) or text.endswith("\ufffd"):
+        return None  # a character split across tokens: its bytes would be decoded apart
+    if kv_params.get(md.REMOTE_NUM_TOKENS) != len(prompt_ids):
+        return None  # the producer computed a shorter prompt (MTP back-off)
+    return FirstToken(
+        token_id=int(ids[0]), text=text, prompt_ids=[int(t) for t in prompt_ids],
+        response_id=str(answer.get("id", "")), created=int(answer.get("created", 0)),
+        model=str(answer.get("model", "")),
+    )
+
+
+def decode_body(body: dict[str, Any], kind: str, first: FirstToken, kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The continuation request for the decode replica (sent to CONTINUATION_PATH)."""
+    out = {
+        key: value for key, value in body.items()
+        if key in CONTINUABLE_FIELDS and key not in ("max_tokens", "max_completion_tokens", "min_tokens", "n")
+    }
+    limit = output_limit(body, kind)
+    out["max_tokens"] = None if limit is None else limit - 1
+    if body.get("min_tokens"):
+        out["min_tokens"] = max(0, int(body["min_tokens"]) - 1)
+    out.update(prompt=[*first.prompt_ids, first.token_id], stream=True, kv_transfer_params=kv_params)
+    return out
+
+
+def _event(first: FirstToken, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": first.response_id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": first.created,
+        "model": first.model,
+        "choices": choices,
+    }
+
+
+def prelude(first: FirstToken, kind: str) -> list[str]:
+    """SSE lines that stream the first token (chat: the role chunk first, as vLLM does)."""
+    if kind == "chat":
+        events = [
+            _event(first, kind, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]),
+            _event(first, kind, [{"index": 0, "delta": {"content": first.text}, "logprobs": None, "finish_reason": None}]),
+        ]
+    else:
+        events = [_event(first, kind, [{"index": 0, "text": first.text, "logprobs": None, "finish_reason": None, "stop_reason": None}])]
+    lines: list[str] = []
+    for event in events:
+        lines += ["data: " + json.dumps(event), ""]
+    return lines
+
+
+def rewrite(line: str, kind: str, first: FirstToken) -> str:
+    """One SSE line of the continuation, as the client's request would have produced it: the
+    prefill's response id, the chat format for chat requests, usage counting the first token."""
+    if not line.startswith("data: {"):
+        return line
+    event = json.loads(line[6:])
+    if "error" in event:
+        return line
+    usage = event.get("usage")
+    if usage:
+        usage["prompt_tokens"] = usage.get("prompt_tokens", 1) - 1
+        usage["completion_tokens"] = usage.get("completion_tokens", 0) + 1
+    choices = event.get("choices") or []
+    if kind == "chat":
+        choices = [
+            {
+                "index": c.get("index", 0), "delta": {"content": c.get("text", "")}, "logprobs": None,
+                "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+            }
+            for c in choices
+        ]
+    out = _event(first, kind, choices)
+    if usage:
+        out["usage"] = usage
+    return "data: " + json.dumps(out)

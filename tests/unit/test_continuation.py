@@ -1,0 +1,96 @@
+"""The router's first-token-from-prefill split (orchestrator/continuation.py): which requests may
+take it, what the decode replica is asked for, and how its stream is rewritten for the client.
+End to end (token-for-token equal to an aggregated engine, completions and chat): tests/e2e/
+test_cluster.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdcluster.kv_transfer import params as md
+from pdcluster.orchestrator import continuation as cont
+
+BASE = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "stream": True}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("change", "kind", "expected"),
+    [
+        ({}, "completions", True),
+        ({"stream": False}, "completions", False),
+        ({"n": 2}, "completions", False),
+        ({"max_tokens": 1}, "completions", False),  # the prefill's token is the whole answer
+        ({"stop": ["\n"]}, "completions", False),  # a stop string could straddle the two texts
+        ({"stop": []}, "completions", True),
+        ({"logprobs": 0}, "completions", False),  # 0 still returns the sampled token's logprob
+        ({"logprobs": None, "echo": False, "presence_penalty": 0.0}, "completions", True),
+        ({"frequency_penalty": 0.5}, "completions", False),
+        ({"suffix": "x"}, "completions", False),
+        ({"prompt": ["a", "b"]}, "completions", False),  # two prompts
+        ({"prompt": [1, 2, 3]}, "completions", True),
+        ({"seed": 7, "top_p": 0.9, "stream_options": {"include_usage": True}}, "completions", True),
+    ],
+)
+def test_which_completions_continue(change, kind, expected):
+    assert cont.continuable({**BASE, **change}, kind) is expected
+
+
+def test_which_chats_continue():
+    assert cont.continuable(CHAT, "chat")
+    assert cont.continuable({**CHAT, "tools": None}, "chat")  # null is the default
+    assert not cont.continuable({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat")
+    assert not cont.continuable({**CHAT, "response_format": {"type": "json_object"}}, "chat")
+    assert not cont.continuable({**CHAT, "max_completion_tokens": 1, "max_tokens": 50}, "chat")
+    assert cont.continuable({k: v for k, v in CHAT.items() if k != "max_completion_tokens"}, "chat")
+
+
+def prefill_answer(kind: str, text: str = "    return", finish: str = "length", prompt_ids=(11, 12, 13)) -> dict:
+    choice = {"index": 0, "finish_reason": finish, "token_ids": [42]}
+    answer = {"id": "cmpl-p", "created": 1700000000, "model": "tiny", "choices": [choice]}
+    if kind == "completions":
+        choice.update(text=text, prompt_token_ids=list(prompt_ids))
+    else:
+        choice["message"] = {"role": "assistant", "content": text}
+        answer["prompt_token_ids"] = list(prompt_ids)
+    return answer
+
+
+def test_first_token_only_when_decode_can_continue_after_it():
+    params = {md.REMOTE_NUM_TOKENS: 3}
+    for kind in ("completions", "chat"):
+        first = cont.first_token(prefill_answer(kind), kind, params)
+        assert first is not None and (first.token_id, first.text, first.prompt_ids) == (42, "    return", [11, 12, 13])
+        assert cont.first_token(prefill_answer(kind, finish="stop"), kind, params) is None  # EOS first
+        assert cont.first_token(prefill_answer(kind, text="\ufffd"), kind, params) is None  # half a character
+        assert cont.first_token(prefill_answer(kind), kind, {md.REMOTE_NUM_TOKENS: 2}) is None  # MTP back-off
+
+
+def test_decode_body_continues_after_the_first_token_with_one_token_less():
+    first = cont.first_token(prefill_answer("completions"), "completions", {md.REMOTE_NUM_TOKENS: 3})
+    params = {md.REMOTE_NUM_TOKENS: 3, md.DO_REMOTE_PREFILL: True}
+    body = cont.decode_body({**BASE, "min_tokens": 4, "seed": 3}, "completions", first, params)
+    assert body["prompt"] == [11, 12, 13, 42]
+    assert (body["max_tokens"], body["min_tokens"], body["seed"], body["kv_transfer_params"]) == (7, 3, 3, params)
+    default = cont.decode_body({k: v for k, v in BASE.items() if k != "max_tokens"}, "completions", first, params)
+    assert default["max_tokens"] == cont.COMPLETIONS_DEFAULT_MAX_TOKENS - 1
+    unbounded = cont.decode_body({k: v for k, v in CHAT.items() if k != "max_completion_tokens"}, "chat", first, params)
+    assert unbounded["max_tokens"] is None and "messages" not in unbounded
+
+
+def test_continuation_stream_reads_as_the_clients_own_request():
+    first = cont.first_token(prefill_answer("chat"), "chat", {md.REMOTE_NUM_TOKENS: 3})
+    head = [json.loads(line[6:]) for line in cont.prelude(first, "chat") if line]
+    assert [e["choices"][0]["delta"] for e in head] == [{"role": "assistant", "content": ""}, {"content": "    return"}]
+    chunk = {"id": "cmpl-d", "object": "text_completion", "created": 1, "model": "tiny",
+             "choices": [{"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}]}
+    out = json.loads(cont.rewrite("data: " + json.dumps(chunk), "chat", first)[6:])
+    assert (out["id"], out["object"]) == ("cmpl-p", "chat.completion.chunk")
+    assert out["choices"] == [{"index": 0, "delta": {"content": " x"}, "logprobs": None, "finish_reason": "length", "stop_reason": None}]
+    usage = {"id": "cmpl-d", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}
+    counted = json.loads(cont.rewrite("data: " + json.dumps(usage), "chat", first)[6:])["usage"]
+    assert counted == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    for line in ("data: [DONE]", "", 'data: {"error": {"message": "boom"}}'):
+        assert cont.rewrite(line, "chat", first) == line
