@@ -440,7 +440,11 @@ def verdicts(raw: dict, workloads: dict) -> list[str]:
         f"{setup}/{w}": sum(summarize(r)["failed"] or 0 for r in per[w]["results"].values())
         for setup, per in raw.items() for w in per
     }
-    out.append(f"- failed requests: {failed} — {'met' if not any(failed.values()) else 'MISSED'}")
+    ours = {k: v for k, v in failed.items() if not k.startswith("vllm-pd/")}
+    baseline = {k: v for k, v in failed.items() if k.startswith("vllm-pd/")}
+    out.append(f"- failed requests, pdcluster setups: {ours} — {'met' if not any(ours.values()) else 'MISSED'}")
+    if baseline:
+        out.append(f"- (baseline) failed requests, vLLM's own P/D: {baseline}")
     return out
 
 
