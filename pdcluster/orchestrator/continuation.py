@@ -141,8 +141,9 @@ def _event(first: FirstToken, kind: str, choices: list[dict[str, Any]]) -> dict[
     }
 
 
-def prelude(first: FirstToken, kind: str) -> list[str]:
-    """SSE lines that stream the first token (chat: the role chunk first, as vLLM does)."""
+def prelude(first: FirstToken, kind: str, body: dict[str, Any]) -> list[str]:
+    """SSE lines that stream the first token (chat: the role chunk first, as vLLM does), with
+    usage when the client asked for it on every chunk (`continuous_usage_stats`)."""
     if kind == "chat":
         events = [
             _event(first, kind, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]),
@@ -150,6 +151,11 @@ def prelude(first: FirstToken, kind: str) -> list[str]:
         ]
     else:
         events = [_event(first, kind, [{"index": 0, "text": first.text, "logprobs": None, "finish_reason": None, "stop_reason": None}])]
+    options = body.get("stream_options") or {}
+    if options.get("include_usage") and options.get("continuous_usage_stats"):
+        prompt = len(first.prompt_ids)
+        for event, generated in zip(events, [0, 1] if kind == "chat" else [1]):
+            event["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + generated, "completion_tokens": generated}
     lines: list[str] = []
     for event in events:
         lines += ["data: " + json.dumps(event), ""]

@@ -545,7 +545,7 @@ class Router:
         clock = _TokenClock(self.metrics, decode.replica_id, relay.started)
         tried = {decode.replica_id}
         try:
-            for line in continuation.prelude(first, relay.kind):
+            for line in continuation.prelude(first, relay.kind, body):
                 clock.see(line)
                 yield (line + "\n").encode()
             while True:

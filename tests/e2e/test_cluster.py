@@ -101,13 +101,15 @@ def test_streams_take_their_first_token_from_the_prefill(cluster, client, refere
     prompt, expected = PROMPTS[1], reference["completions"][1]
     chunks = list(client.completions.create(
         model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
     ))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert len({c.id for c in chunks}) == 1
     whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
-        whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    counts = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks]
+    assert counts[0] == (whole.usage.prompt_tokens, 1)  # the first token, counted as vLLM would
+    assert counts[-1] == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    assert [done for _, done in counts] == sorted(done for _, done in counts)
     classic = client.completions.create(
         model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True, stop=["<never-in-code>"])
     assert "".join(c.choices[0].text for c in classic if c.choices) == expected

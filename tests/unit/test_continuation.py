@@ -82,8 +82,12 @@ def test_decode_body_continues_after_the_first_token_with_one_token_less():
 
 def test_continuation_stream_reads_as_the_clients_own_request():
     first = cont.first_token(prefill_answer("chat"), "chat", {md.REMOTE_NUM_TOKENS: 3})
-    head = [json.loads(line[6:]) for line in cont.prelude(first, "chat") if line]
+    head = [json.loads(line[6:]) for line in cont.prelude(first, "chat", CHAT) if line]
     assert [e["choices"][0]["delta"] for e in head] == [{"role": "assistant", "content": ""}, {"content": "    return"}]
+    assert all("usage" not in e for e in head)
+    continuous = {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    counted = [json.loads(line[6:])["usage"] for line in cont.prelude(first, "chat", continuous) if line]
+    assert [(u["prompt_tokens"], u["completion_tokens"]) for u in counted] == [(3, 0), (3, 1)]
     chunk = {"id": "cmpl-d", "object": "text_completion", "created": 1, "model": "tiny",
              "choices": [{"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}]}
     out = json.loads(cont.rewrite("data: " + json.dumps(chunk), "chat", first)[6:])
