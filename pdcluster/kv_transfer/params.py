@@ -3,8 +3,8 @@
 Free of vLLM imports so that the router (which never loads vLLM) can read the params too.
 """
 
-# Keys of kv_transfer_params. The first group follows vLLM's NIXL conventions so existing
-# proxies understand them; the rest are ours.
+# The first group follows vLLM's NIXL conventions so existing proxies understand them; the rest
+# are ours.
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 REMOTE_ENGINE_ID = "remote_engine_id"

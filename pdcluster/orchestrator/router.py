@@ -525,16 +525,21 @@ class Router:
         The continuation request leaves at once and travels while the client reads the first
         token. A decode replica that cannot be reached before it answered is replaced by another
         one (the prompt's KV stays leased on the producer), up to phase_attempts."""
-        self._enter(decode, tokens)
-        relay = _Relay(self, None, decode, tokens, kind, started)
-        relay.pending = asyncio.ensure_future(
-            self._send(decode, continuation.CONTINUATION_PATH, body, True, request_id)
-        )
+        relay = _Relay(self, None, None, tokens, kind, started)
+        self._dispatch(relay, decode, body, request_id)
         return RelayResponse(
             self._continuation(first, body, prefill, relay, request_id),
             relay,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-PDCluster-Prefill": prefill.replica_id, "X-PDCluster-Decode": decode.replica_id},
+        )
+
+    def _dispatch(self, relay: _Relay, decode: ReplicaLoad, body: dict[str, Any], request_id: str) -> None:
+        """Send the continuation to `decode` without waiting; the relay owns it from here."""
+        self._enter(decode, relay.tokens)
+        relay.replica = decode
+        relay.pending = asyncio.ensure_future(
+            self._send(decode, continuation.CONTINUATION_PATH, body, True, request_id)
         )
 
     async def _continuation(
@@ -562,11 +567,7 @@ class Router:
                     self.metrics.retries.labels("decode").inc()
                     decode = self.policy.choose(list(self.replicas.values()), "decode", exclude=tried)
                     tried.add(decode.replica_id)
-                    self._enter(decode, relay.tokens)
-                    relay.replica = decode
-                    relay.pending = asyncio.ensure_future(
-                        self._send(decode, continuation.CONTINUATION_PATH, body, True, request_id)
-                    )
+                    self._dispatch(relay, decode, body, request_id)
             relay.upstream = upstream
             if upstream.status_code != 200:
                 relay.outcome = "client_error" if upstream.status_code < 500 else "upstream_error"
