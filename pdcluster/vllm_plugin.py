@@ -8,11 +8,16 @@ core, workers) before a model runs, so this is the one place for per-process pla
   never asks the kernel for permission to use them. It only works when oneDNN asked first (during
   a multi-token GEMM, i.e. a prefill). A decode engine whose first step runs on transferred KV
   reaches the AMX kernel first and dies with SIGILL. We request XTILEDATA permission up front.
+- Step queues: vLLM's shared-memory queues between engine core and workers drop most wake-up
+  pings to a reader that sleeps (`keep_queue_pings`), and spin for 1 s after each message
+  (`set_worker_spin`, per role from the config).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import inspect
 import logging
 import os
 import platform
@@ -75,22 +80,83 @@ def set_worker_spin(milliseconds: float) -> bool:
     router, the frontends and the other engine need on a small CPU host.
 
     A sleeping reader is woken by the writer's ZMQ ping, which vLLM sends best-effort (a PUB
-    socket with SNDHWM=1 drops it silently) and backs up by re-reading the queue every 5 s.
-    With a 1 s spin readers seldom sleep; with a short one they sleep between most steps, and a
-    lost ping stalled a busy engine for exactly 5 s (5.0 s gaps in bench/serve.py's streams). So
-    a shortened spin comes with a sleeping reader that re-reads its queue every IDLE_RECHECK_MS.
+    socket with SNDHWM=1 drops it silently; `keep_queue_pings` makes room) and backs up by
+    re-reading the queue every 5 s. With a 1 s spin readers seldom sleep; with a short one they
+    sleep between most steps, and a lost ping stalled a busy engine for exactly 5 s (5.0 s gaps
+    in bench/serve.py's streams). So a shortened spin also comes with a sleeping reader that
+    re-reads its queue every IDLE_RECHECK_MS.
     Returns False where this vLLM has no such queue.
     """
     from vllm.distributed.device_communicators import shm_broadcast
 
     spin = getattr(shm_broadcast, "SpinCondition", None)
-    defaults = getattr(getattr(spin, "__init__", None), "__defaults__", None)
+    init = inspect.unwrap(spin.__init__) if spin is not None else None  # under keep_queue_pings' wrapper
+    defaults = getattr(init, "__defaults__", None)
     recheck = getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None)
     if spin is None or defaults is None or len(defaults) != 1 or not isinstance(recheck, int):
         logger.warning("this vLLM's shm queues differ from the ones we tune; worker spin unchanged")
         return False
-    spin.__init__.__defaults__ = (milliseconds / 1e3,)
+    init.__defaults__ = (milliseconds / 1e3,)
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(recheck, IDLE_RECHECK_MS)
+    return True
+
+
+# Pings a queue's writer may have in flight to a sleeping reader before ZMQ drops the next one.
+PING_HWM = 1000
+
+
+def keep_queue_pings() -> bool:
+    """Make vLLM's shm-queue writers' wake-up pings reliable.
+
+    A reader that stopped spinning sleeps on a ZMQ SUB socket (CONFLATE) and is woken by the
+    writer's ping over a PUB socket that vLLM binds with SNDHWM=1: a ping sent while an earlier
+    one still counts against that mark (an engine step sends two messages, execute then sample)
+    is dropped silently, and the reader sleeps until its next re-check while its message waits.
+    Measured with spin 0 (tests/unit/test_queue_pings.py): 198 of 300 two-message round trips
+    waited for the re-check. With room for PING_HWM pings none do; the reader's CONFLATE still
+    keeps at most one. Returns False where this vLLM's SpinCondition differs from the one we fix.
+    """
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    spin = getattr(shm_broadcast, "SpinCondition", None)
+    original = getattr(spin, "__init__", None)
+    if getattr(original, "_pdcluster_pings", False):
+        return True
+    try:
+        params = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if params[:4] != ["self", "is_reader", "context", "notify_address"] or not hasattr(spin, "notify"):
+        logger.warning("this vLLM's shm queues differ from the ones we fix; queue pings unchanged")
+        return False
+
+    class PingSocket(zmq.Socket):
+        def setsockopt(self, option, value):  # vLLM's writer sets SNDHWM=1 before it binds
+            if option == zmq.SNDHWM:
+                value = max(value, PING_HWM)
+            super().setsockopt(option, value)
+
+    class PingContext:
+        """The context vLLM's writer branch sees: its sockets are PingSockets."""
+
+        def __init__(self, context):
+            self._context = context
+
+        def socket(self, kind, **kwargs):
+            return self._context.socket(kind, socket_class=PingSocket, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._context, name)
+
+    @functools.wraps(original)
+    def init(self, is_reader, context, notify_address, *args, **kwargs):
+        if not is_reader:
+            context = PingContext(context)
+        original(self, is_reader, context, notify_address, *args, **kwargs)
+
+    init._pdcluster_pings = True  # type: ignore[attr-defined]
+    spin.__init__ = init
     return True
 
 
@@ -101,7 +167,6 @@ def tune_nixl_for_cpu() -> None:
     NIXL busy-polls a UCX progress thread (~1 core per engine) and pins each worker's model
     thread to the last core of its NUMA node, whatever VLLM_CPU_OMP_THREADS_BIND says.
     """
-    import functools
 
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
@@ -133,5 +198,6 @@ def register() -> None:
     request_amx_permission()
     if os.environ.get(WORKER_SPIN_ENV):
         set_worker_spin(float(os.environ[WORKER_SPIN_ENV]))
+    keep_queue_pings()
     if os.environ.get(NIXL_CPU_TUNING_ENV) == "1":
         tune_nixl_for_cpu()

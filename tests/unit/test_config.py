@@ -121,7 +121,7 @@ def test_worker_spin_setting_reaches_vllms_step_queues():
         "from vllm.plugins import load_general_plugins; load_general_plugins(); "
         "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition; "
         "idle = MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False); "
-        "print(SpinCondition.__init__.__defaults__[0], idle.timeout_ms())"
+        "import inspect; print(inspect.unwrap(SpinCondition.__init__).__defaults__[0], idle.timeout_ms())"
     )
     env = {**os.environ, "PDCLUSTER_WORKER_SPIN_MS": "5"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
