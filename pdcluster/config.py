@@ -93,9 +93,10 @@ class RoleSection(_Model):
     worker_spin_ms: float | None = Field(
         5.0,
         ge=0,
-        description="How long an engine's processes busy-wait for their next step before sleeping "
+        description="How long an engine's workers busy-wait for their next step before sleeping "
         "(vLLM: 1 s after every step, so a prefill engine fed every few hundred ms spins a core "
-        "the router and the other engine need). null keeps vLLM's 1 s.",
+        "the router and the other engine need). With it set, engine cores wait for their "
+        "workers' results without spinning. null keeps vLLM's 1 s everywhere.",
     )
     async_scheduling: bool | None = Field(
         None,

@@ -112,12 +112,15 @@ def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
         load_config(path)
 
 
-def test_worker_spin_setting_reaches_vllms_step_queues():
+@pytest.mark.parametrize("process, spin", [("VllmWorker-0", "0.005"), ("EngineCore", "0.0"), ("EngineCore_DP1", "0.0")])
+def test_worker_spin_setting_reaches_vllms_step_queues(process, spin):
     """roles.*.worker_spin_ms travels as an env var that our vLLM plugin (loaded by every vLLM
-    process) applies to vLLM's shared-memory queues before they are made; with it, a reader
-    that went to sleep re-reads its queue every IDLE_RECHECK_MS, not every 5 s (a lost wake-up
-    ping stalled engines for 5 s)."""
+    process) applies to vLLM's shared-memory queues before they are made: in workers as set, in
+    engine cores (which only wait for their workers' results) as no spin. A reader that went to
+    sleep re-reads its queue every IDLE_RECHECK_MS, not every 5 s (a lost wake-up ping stalled
+    engines for 5 s)."""
     code = (
+        f"import multiprocessing; multiprocessing.current_process().name = {process!r}; "
         "from vllm.plugins import load_general_plugins; load_general_plugins(); "
         "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition; "
         "idle = MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False); "
@@ -125,4 +128,4 @@ def test_worker_spin_setting_reaches_vllms_step_queues():
     )
     env = {**os.environ, "PDCLUSTER_WORKER_SPIN_MS": "5"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.split()[-2:] == ["0.005", str(IDLE_RECHECK_MS)]
+    assert out.stdout.split()[-2:] == [spin, str(IDLE_RECHECK_MS)]
