@@ -40,9 +40,18 @@ def _worker_side(steps_handle, answers_handles):
         answers.enqueue((execute, sample))
 
 
-def test_a_sleeping_reader_gets_every_ping():
-    shm_broadcast = _queues_as_in_an_engine()
+def test_a_sleeping_reader_gets_every_ping(monkeypatch):
+    import inspect
+
     import zmq
+    from vllm.distributed.device_communicators import shm_broadcast as vllm_queues
+
+    # This process's vLLM queues get vLLM's spin, re-check and SpinCondition back afterwards.
+    monkeypatch.setattr(vllm_queues, "SHM_READER_RECHECK_INTERVAL_MS", vllm_queues.SHM_READER_RECHECK_INTERVAL_MS)
+    monkeypatch.setattr(vllm_queues.SpinCondition, "__init__", vllm_queues.SpinCondition.__init__)
+    init = inspect.unwrap(vllm_queues.SpinCondition.__init__)
+    monkeypatch.setattr(init, "__defaults__", init.__defaults__)
+    shm_broadcast = _queues_as_in_an_engine()
 
     steps = shm_broadcast.MessageQueue(1, 1)
     assert steps._spin_condition.local_notify_socket.getsockopt(zmq.SNDHWM) > 1
