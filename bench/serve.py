@@ -9,6 +9,8 @@ Setups, started in turn on the same 2 cores with the same model and engine setti
               progress thread, no NIXL core pin; prefill core 0, decode core 1) behind a minimal
               proxy doing the do_remote_decode -> kv_transfer_params handoff (bench/vllm_pd_proxy.py)
   pd-classic  `pd` with first_token_from_prefill off: decode samples the first token (diagnostic)
+pdcluster's engines run their model in the engine-core process (roles.*.single_process, the
+default); `vllm serve` keeps vLLM's CPU layout (a worker process per engine).
 Workloads, driven by vLLM's own client (`vllm bench serve`, random dataset), so the numbers are
 computed by a tool we did not write:
   steady        short prompts at a steady Poisson rate
@@ -65,7 +67,8 @@ def pdcluster_setup(name: str, mode: str, workdir: Path, first_token_from_prefil
 
 def _vllm_serve(port: int, bind: str, side_port: int, log: Path) -> subprocess.Popen:
     # The process settings pdcluster's engines get from a role with the config's defaults (our
-    # vLLM plugin is loaded by `vllm serve` too): equal settings.
+    # vLLM plugin is loaded by `vllm serve` too): equal settings. The engine layout stays
+    # vLLM's own (engine core + worker process; single_process is pdcluster's engine host).
     role = RoleSection()
     engine_env = EngineSpec(
         role="aggregated", engine_id="vllm-serve", model=str(MODEL), cpu_threads_bind=bind,

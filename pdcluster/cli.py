@@ -250,6 +250,8 @@ def format_status(status: dict[str, Any]) -> str:
             notes.append(r["error"])
         if r["role"] != "prefill" and r["async_scheduling"] is False and r["async_scheduling_reason"]:
             notes.append(f"async scheduling off ({r['async_scheduling_reason']})")
+        if r.get("single_process_reason"):
+            notes.append(f"worker process kept ({r['single_process_reason']})")
         stats = r.get("stats") or {}
         if stats.get("spec_acceptance_rate") is not None:
             notes.append(

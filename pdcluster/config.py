@@ -93,10 +93,20 @@ class RoleSection(_Model):
     worker_spin_ms: float | None = Field(
         5.0,
         ge=0,
-        description="How long an engine's workers busy-wait for their next step before sleeping "
+        description="Engines with a worker process (see single_process): how long the "
+        "workers busy-wait for their next step before sleeping "
         "(vLLM: 1 s after every step, so a prefill engine fed every few hundred ms spins a core "
         "the router and the other engine need). With it set, engine cores wait for their "
         "workers' results without spinning. null keeps vLLM's 1 s everywhere.",
+    )
+    single_process: bool = Field(
+        True,
+        description="CPU only: run the model in the engine-core process, bound to this role's "
+        "cpu_bind cores, instead of the separate worker process vLLM's CPU platform always "
+        "starts (needs cpu_bind and one worker per engine; otherwise the engine keeps its worker "
+        "process and `status` says why). No step then crosses a process: interference ITL p99 "
+        "11.3-12.9 vs 16.0-19.6 ms, TPOT 3.5-3.9 vs 5.2-5.6 ms (P/D, bench/serve.py's "
+        "interference workload, alternating runs).",
     )
     async_scheduling: bool | None = Field(
         None,

@@ -49,6 +49,8 @@ class EngineHost:
         self.started_at: float | None = None
         self.async_scheduling: bool | None = None
         self.async_scheduling_reason = ""
+        self.single_process: bool | None = None
+        self.single_process_reason = ""
         self._server = None
         self._serve_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
@@ -65,6 +67,7 @@ class EngineHost:
         engine_args = AsyncEngineArgs(**self.spec.engine_kwargs())
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         self._note_async_scheduling(vllm_config)
+        self._place_model(vllm_config)
         recorder = self.stats
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config,
@@ -130,6 +133,21 @@ class EngineHost:
                 self.spec.engine_id, self.async_scheduling_reason,
             )
 
+    def _place_model(self, vllm_config) -> None:
+        """CPU engines run their model in the engine-core process where they can (single_process.py)."""
+        from vllm.platforms import current_platform
+
+        if not self.spec.single_process or not current_platform.is_cpu():
+            self.single_process = False
+            return
+        from pdcluster.engine.single_process import explicit_cores, use_single_process
+
+        reason = use_single_process(vllm_config, explicit_cores(self.spec.cpu_threads_bind))
+        self.single_process = reason is None
+        if reason:
+            self.single_process_reason = reason
+            logger.info("engine %s keeps its worker process: %s", self.spec.engine_id, reason)
+
     def info(self) -> dict[str, Any]:
         snap = self.stats.snapshot().to_dict()
         return {
@@ -140,6 +158,8 @@ class EngineHost:
             "model": self.spec.name,
             "async_scheduling": self.async_scheduling,
             "async_scheduling_reason": self.async_scheduling_reason,
+            "single_process": self.single_process,
+            "single_process_reason": self.single_process_reason,
             "speculative": self.spec.speculative,
             "stats": snap,
         }

@@ -132,6 +132,7 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
         kv_cache_gib=section.kv_cache_gib,
         onednn_cache=section.onednn_cache,
         worker_spin_ms=section.worker_spin_ms,
+        single_process=section.single_process,
     )
 
 
@@ -398,6 +399,8 @@ class Controller:
                         "prefill_p99": (lat.get("phase") or {}).get("p99"),
                         "async_scheduling": info.get("async_scheduling"),
                         "async_scheduling_reason": info.get("async_scheduling_reason", ""),
+                        "single_process": info.get("single_process"),
+                        "single_process_reason": info.get("single_process_reason", ""),
                         "kv_backend": self.config.kv_transfer.backend if r.role != "aggregated" else None,
                         # decode: the backend used with each prefill engine it pulled from
                         "kv_backends": stats.get("kv_backends") or {},

@@ -165,6 +165,8 @@ def test_status_json_reflects_cluster(cluster):
     decode = next(r for r in status["replicas"] if r["role"] == "decode")
     assert decode["ttft_p50"] is not None and decode["itl_p50"] is not None
     assert decode["async_scheduling"] is False and "cpu" in decode["async_scheduling_reason"]
+    # local-cpu.yaml binds each engine to a core: models run in their engine-core processes
+    assert all(r["single_process"] is True and r["single_process_reason"] == "" for r in status["replicas"])
     stats = decode["stats"]
     assert stats["spec_draft_tokens"] > 0 and 0 < stats["spec_acceptance_rate"] <= 1
     assert stats["spec_mean_accepted_length"] >= 1
@@ -173,29 +175,33 @@ def test_status_json_reflects_cluster(cluster):
     table = cli(cluster.home, "status", "--name", cluster.name).stdout
     assert cluster.endpoint in table and "MTP acceptance" in table
     assert "async scheduling off (turned off by vLLM's cpu platform)" in table
+    assert "worker process kept" not in table
 
 
-def _engine_workers() -> list[psutil.Process]:
-    """vLLM worker processes under this cluster's prefill and decode actors."""
-    workers = []
+def _model_processes() -> list[psutil.Process]:
+    """The process holding each model of this cluster's prefill and decode actors: the engine
+    core (single-process engines, local-cpu.yaml's default), else its vLLM worker process."""
+    holders = []
     for proc in psutil.process_iter():
         try:
-            if not " ".join(proc.cmdline()).startswith("VLLM::Worker"):
+            if not " ".join(proc.cmdline()).startswith("VLLM::EngineCore"):
                 continue
             if any(" ".join(p.cmdline()).startswith(("ray::PrefillWorker", "ray::DecodeWorker")) for p in proc.parents()):
-                workers.append(proc)
+                workers = [c for c in proc.children() if " ".join(c.cmdline()).startswith("VLLM::Worker")]
+                holders.extend(workers or [proc])
         except psutil.Error:
             continue
-    return workers
+    return holders
 
 
 def test_engine_processes_get_the_cpu_settings(cluster):
-    """Each engine worker runs with the bounded oneDNN cache, the short step-queue spin and its KV
-    cache on 2 MiB pages."""
-    workers = _engine_workers()
-    assert len(workers) == 2
+    """Each engine's model runs in its engine core, with the bounded oneDNN cache and its KV
+    cache on 2 MiB pages (and the short step-queue spin, for engines that keep a worker process)."""
+    holders = _model_processes()
+    assert len(holders) == 2
+    assert all(p.name() == "VLLM::EngineCore" for p in holders)  # no worker processes
     thp = "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    for proc in workers:
+    for proc in holders:
         assert proc.environ().get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "128"
         assert proc.environ().get("PDCLUSTER_WORKER_SPIN_MS") == "5"
         rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()

@@ -30,7 +30,7 @@ LEASE_S = 10
 NAME = "tiny"
 
 
-def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, **engine_args):
+def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, single_process=True, **engine_args):
     return EngineSpec(
         role=role,
         engine_id=engine_id,
@@ -42,6 +42,7 @@ def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, **e
         kv_load_failure_policy=policy,
         cpu_threads_bind=bind,
         kv_cache_gib=1,
+        single_process=single_process,
     )
 
 
@@ -54,7 +55,8 @@ def engines(tmp_path_factory):
         spec("agg", "aggregated", "0", secret),
         spec("prefill", "prefill", "0", secret, kv={"lease_s": LEASE_S, "transport": "auto"}),
         spec("decode", "decode", "1", secret),
-        spec("decode-shm", "decode", "1", secret, kv={"transport": "auto"}),
+        # vLLM's own CPU layout (a worker process holds the model); the others run single-process
+        spec("decode-shm", "decode", "1", secret, kv={"transport": "auto"}, single_process=False),
         spec("decode-collective", "decode", "1", secret, kv={"transport": "collective"}),
         spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
         spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),

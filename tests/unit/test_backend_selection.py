@@ -118,6 +118,9 @@ def test_status_table_shows_backend_per_pair():
         "prefill_p50": None, "prefill_p99": None, "async_scheduling": True,
         "async_scheduling_reason": "", "kv_backend": "auto",
         "kv_backends": {"c-prefill-0": "shm", "c-prefill-1": "grpc"}, "stats": {},
+        "single_process": False, "single_process_reason": "no explicit core list (cpu_bind) to bind the engine thread to",
     }
     status = {"name": "c", "mode": "pd", "model": "m", "endpoint": "e", "replicas": [row]}
-    assert "kv auto: c-prefill-0→shm, c-prefill-1→grpc" in format_status(status)
+    table = format_status(status)
+    assert "kv auto: c-prefill-0→shm, c-prefill-1→grpc" in table
+    assert "worker process kept (no explicit core list (cpu_bind) to bind the engine thread to)" in table

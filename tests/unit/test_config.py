@@ -97,6 +97,7 @@ def test_engine_specs_follow_the_config():
     assert prefill.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert prefill.env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
     assert prefill.env()["PDCLUSTER_WORKER_SPIN_MS"] == "5"
+    assert prefill.single_process and decode.single_process  # roles.*.single_process (default on)
 
 
 def test_mtp_needs_a_model_with_mtp_layers(tmp_path):

@@ -1,0 +1,57 @@
+"""Which CPU engines run their model in the engine-core process (engine/single_process.py),
+decided on real vLLM configs of the shipped tiny model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdcluster.engine.single_process import WORKER_CLS, explicit_cores, use_single_process
+from tests.support.engines import MODEL
+
+
+@pytest.mark.parametrize(
+    "mask, cores",
+    [("1", [1]), ("0-3", [0, 1, 2, 3]), ("0,2", [0, 2]), ("2,0-1", [0, 1, 2]),
+     ("auto", None), ("nobind", None), ("", None), (None, None), ("0-1|2-3", None), ("one", None)],
+)
+def test_explicit_cores(mask, cores):
+    assert explicit_cores(mask) == cores
+
+
+def vllm_config(**engine_args):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = AsyncEngineArgs(model=str(MODEL), enforce_eager=True, max_model_len=512, **engine_args)
+    return args.create_engine_config()
+
+
+def test_one_worker_with_cores_runs_in_the_engine_core():
+    config = vllm_config()
+    assert config.parallel_config.distributed_executor_backend == "mp"  # vLLM's CPU platform
+    assert use_single_process(config, [1]) is None
+    assert config.parallel_config.distributed_executor_backend == "uni"
+    assert config.parallel_config.worker_cls == WORKER_CLS
+
+
+@pytest.mark.parametrize(
+    "engine_args, cores, reason",
+    [({}, None, "no explicit core list"), ({"tensor_parallel_size": 2}, [0, 1], "2 workers")],
+)
+def test_other_engines_keep_their_worker_process(engine_args, cores, reason):
+    config = vllm_config(**engine_args)
+    assert reason in use_single_process(config, cores)
+    assert config.parallel_config.distributed_executor_backend == "mp"
+
+
+def test_engine_thread_binding():
+    """The binding applies to the calling thread (run in a child: it must not pin pytest)."""
+    code = (
+        "import os, torch; from pdcluster.engine.single_process import bind_this_thread; "
+        "bind_this_thread([0]); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=os.environ)
+    assert out.stdout.split("\n")[-2] == "[0] 1"
