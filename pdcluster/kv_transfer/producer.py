@@ -1,6 +1,6 @@
 """What a transport server serves: a prefill engine's leased KV blocks.
 
-`KVProducer` lives in the prefill engine's worker process, beside its KV cache. Transport servers
+`KVProducer` lives in the prefill engine's model-runner process, beside its KV cache. Transport servers
 (gRPC today) call `handshake`, `stream` and `release`; the connector worker registers leases from
 the scheduler's metadata and collects released or expired ones every step.
 """

@@ -1,6 +1,6 @@
 """gRPC backend: portable KV handoff between any two hosts.
 
-Server: a grpc thread-pool server in the producer's worker process, bound to the configured
+Server: a grpc thread-pool server in the producer's model-runner process, bound to the configured
 address. Every call must carry the cluster secret (metadata `x-pdcluster-kv-secret`), compared in
 constant time; a peer without it gets UNAUTHENTICATED and no bytes. `Pull` streams `KVChunk`
 messages encoded by `wire.py` straight from the staging slots (the generated serializer is
