@@ -25,6 +25,7 @@ import logging
 import os
 from typing import Any
 
+from vllm.utils.cpu_resource_utils import parse_id_list
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 logger = logging.getLogger(__name__)
@@ -34,17 +35,15 @@ BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def explicit_cores(mask: str | None) -> list[int] | None:
-    """The cores of a VLLM_CPU_OMP_THREADS_BIND value naming one core list ('1', '0-3', '0,2');
-    None for vLLM's 'auto' / 'nobind', an empty value, or one list per rank ('0-1|2-3')."""
+    """The cores of a VLLM_CPU_OMP_THREADS_BIND value naming one core list ('1', '0-3', '0,2'),
+    read by vLLM's own parser for that variable; None for vLLM's 'auto' / 'nobind', an empty or
+    unreadable value, or one list per rank ('0-1|2-3')."""
     if not mask or mask in ("auto", "nobind") or "|" in mask:
         return None
-    cores: list[int] = []
-    for part in mask.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            return None
-        cores.extend(range(int(lo), int(hi or lo) + 1))
-    return sorted(set(cores)) or None
+    try:
+        return parse_id_list(mask) or None
+    except ValueError:
+        return None
 
 
 def use_single_process(vllm_config: Any, cores: list[int] | None) -> str | None:
