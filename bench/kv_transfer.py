@@ -96,9 +96,10 @@ def producer_main(conn, args, num_blocks, requests):
         raw[0].stop(0).wait()
 
 
-def raw_grpc_server(chunk_bytes: int):
+def raw_grpc_server(chunk_bytes: int, bind: str = "127.0.0.1:0"):
     """The gRPC ceiling: stream fresh chunk-sized messages copied from a large buffer (no KV
-    layout, gather, lease or encoding work), with the transport's own channel options."""
+    layout, gather, lease or encoding work), with the transport's own channel options.
+    `bind`: a host:port, or `unix:PATH` for a Unix-domain socket; returns (server, address)."""
     from concurrent import futures
 
     import grpc
@@ -123,17 +124,17 @@ def raw_grpc_server(chunk_bytes: int):
     )
     server = grpc.server(futures.ThreadPoolExecutor(4), options=_channel_options(settings))
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(bind)
     server.start()
-    return server, f"127.0.0.1:{port}"
+    return server, bind if bind.startswith("unix:") else f"{bind.rsplit(':', 1)[0]}:{port}"
 
 
-def time_raw_grpc(address: str, nbytes: int, chunk_bytes: int, repeats: int) -> float:
+def time_raw_grpc(address: str, nbytes: int, chunk_bytes: int, repeats: int, extra_options=()) -> float:
     import grpc
 
     from pdcluster.kv_transfer.transports.grpc_transport import _channel_options
 
-    options = _channel_options(TransportSettings(secret=SECRET, max_chunk_bytes=chunk_bytes))
+    options = _channel_options(TransportSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)) + list(extra_options)
     with grpc.insecure_channel(address, options=options) as channel:
         call = channel.unary_stream("/bench.Raw/Stream", request_serializer=bytes, response_deserializer=bytes)
         times = []
