@@ -65,6 +65,9 @@ class ConnectorScheduler:
         self.endpoints: list[str | None] = [None] * self.tp_size
         self.server_info: PDHandshakeMetadata | None = None  # rank 0's offers, node, device
         self._meta = PDConnectorMetadata()
+        # consumer: request id -> tokens its local prefix cache already holds (asked, not yet
+        # allocated); vLLM updates request.num_computed_tokens only after the allocation
+        self._local_hits: dict[str, int] = {}
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -126,6 +129,7 @@ class ConnectorScheduler:
         if remote is None:
             return 0, False
         count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        self._local_hits[request.request_id] = num_computed_tokens
         if count > 0:
             return count, True
         return 0, False
@@ -137,13 +141,15 @@ class ConnectorScheduler:
         if remote is None:
             return
         request.kv_transfer_params[md._PULL_PLANNED] = True
+        local_hit = self._local_hits.pop(request.request_id, 0)  # block-aligned (vLLM asks so)
         if num_external_tokens <= 0:
             # Everything was in the local prefix cache: P's blocks are not needed.
             self._meta.releases.append(ReleaseSpec(remote, "local prefix cache hit"))
             return
-        num_cached = request.num_computed_tokens // self.block_size
-        total = cdiv(request.num_computed_tokens + num_external_tokens, self.block_size)
-        local = blocks.get_unhashed_block_ids()[: total - num_cached]
+        num_cached = local_hit // self.block_size
+        total = cdiv(local_hit + num_external_tokens, self.block_size)
+        # The request's blocks in token order: its local prefix-cache hits, then the new ones.
+        local = blocks.get_block_ids()[0][num_cached:total]
         remote_ids = remote.block_ids[num_cached:total]
         if len(local) != len(remote_ids) or len(remote_ids) != total - num_cached:
             logger.error(
@@ -163,6 +169,7 @@ class ConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        self._local_hits.pop(request.request_id, None)
         if not params:
             return False, None
         if self.is_consumer and params.get(md.DO_REMOTE_PREFILL) and not params.get(

@@ -127,6 +127,25 @@ def test_greedy_output_matches_aggregated(engines, length):
     assert len(params["remote_block_ids"]) == -(-length // BLOCK)
 
 
+# The second handoff of a prompt finds its full blocks in decode's own prefix cache: only the
+# rest is pulled, from the producer blocks at the same positions.
+@pytest.mark.parametrize("length", [BLOCK + 60, 4 * BLOCK + 60])
+def test_decode_prefix_cache_hit_pulls_only_the_rest(engines, length):
+    prompt = token_prompt(length, offset=4242 + length)
+    expected = token_ids(complete(engines["agg"], prompt, 8))
+    start = info(engines["decode"])["stats"]
+    first, _ = handoff(engines["prefill"], engines["decode"], prompt, 8)
+    middle = info(engines["decode"])["stats"]
+    second, _ = handoff(engines["prefill"], engines["decode"], prompt, 8)
+    end = info(engines["decode"])["stats"]
+    assert token_ids(first) == expected
+    assert token_ids(second) == expected
+    assert end["kv_pulls_ok"] - middle["kv_pulls_ok"] == middle["kv_pulls_ok"] - start["kv_pulls_ok"] == 1
+    blocks = -(-length // BLOCK)
+    whole = middle["kv_bytes_received"] - start["kv_bytes_received"]
+    assert end["kv_bytes_received"] - middle["kv_bytes_received"] == whole // blocks  # the last block
+
+
 def test_concurrent_batch_matches_aggregated(engines):
     prompts = [token_prompt(60 + 37 * i, offset=1000 + 211 * i) for i in range(12)]
     expected = [token_ids(complete(engines["agg"], p, 12)) for p in prompts]
