@@ -18,7 +18,7 @@ import pytest
 from pdcluster.engine.spec import EngineSpec
 from tests.support.cluster import cli, cluster_up, leftover_processes, write_config
 from tests.support.engines import MODEL, run_engine
-from tests.support.prompts import heldout_prompts
+from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -27,6 +27,10 @@ NAME = "tiny"
 PROMPTS = heldout_prompts()[:6]
 CHAT = [[{"role": "user", "content": p}] for p in heldout_prompts()[6:9]]
 MAX_TOKENS = 16
+# Requests sharing a prefix of more than two of the CPU's 128-token KV blocks: from the second
+# on, the decode replica holds those blocks in its own prefix cache and pulls only the rest.
+SHARED_PREFIX = token_prompt(2 * 128 + 40, offset=900)
+PREFIXED = [SHARED_PREFIX + token_prompt(30, offset=1700 + 97 * i) for i in range(3)]
 RAY_MARKERS = ("raylet", "gcs_server", "ray::", "default_worker.py", "ray.scripts.scripts", "VLLM::")
 
 
@@ -50,7 +54,11 @@ def reference(tmp_path_factory):
             .choices[0].message.content
             for m in CHAT
         ]
-    return {"completions": completions, "chat": chats}
+        prefixed = [
+            client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+            for p in PREFIXED
+        ]
+    return {"completions": completions, "chat": chats, "prefixed": prefixed}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +93,16 @@ def test_chat_matches_streaming_and_not(client, reference):
         stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == expected
+
+
+def test_requests_sharing_a_prefix_match(client, reference):
+    """Streamed (first token from the prefill) and whole, each prompt after the first finds the
+    shared prefix in the decode replica's prefix cache; the rest is pulled where it belongs."""
+    for prompt, expected in zip(PREFIXED, reference["prefixed"]):
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == expected
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
 
 
 def _first_token_sources(cluster) -> dict[str, float]:
