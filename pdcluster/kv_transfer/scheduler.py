@@ -148,8 +148,10 @@ class ConnectorScheduler:
             return
         num_cached = local_hit // self.block_size
         total = cdiv(local_hit + num_external_tokens, self.block_size)
-        # The request's blocks in token order: its local prefix-cache hits, then the new ones.
-        local = blocks.get_block_ids()[0][num_cached:total]
+        # The request's blocks in token order: its local prefix-cache hits, then the new ones
+        # (one KV cache group: unpacking raises on more, as get_unhashed_block_ids asserted).
+        (group,) = blocks.get_block_ids()
+        local = group[num_cached:total]
         remote_ids = remote.block_ids[num_cached:total]
         if len(local) != len(remote_ids) or len(remote_ids) != total - num_cached:
             logger.error(
