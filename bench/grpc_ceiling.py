@@ -18,7 +18,6 @@ import datetime as dt
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import machine, write_results  # noqa: E402
 from bench.kv_transfer import Memcpy, raw_grpc_server, time_raw_grpc  # noqa: E402
 
 TARGET = 0.25  # issue 3: the grpc transport, cache to cache, >= 0.25x memcpy
@@ -79,10 +79,7 @@ def measure(socket_kind: str, chunk_bytes: int, nbytes: int, repeats: int, memcp
     return rows
 
 
-def write_results(out: Path, meta: dict) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"{dt.date.today().isoformat()}-grpc-ceiling"
-    (out / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+def report(meta: dict) -> str:
     rows = meta["rows"]
     best = max(r["ratio_to_memcpy"] for r in rows)
     lines = [
@@ -114,9 +111,7 @@ def write_results(out: Path, meta: dict) -> Path:
         "- client: grpcio's default channel, or `SingleThreadedUnaryStream` (the calling thread drives "
         "the completion queue; no polling thread, fewer thread hand-offs).",
     ]
-    path = out / f"{name}.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=448, help="bytes per pull (448 MiB = 8k tokens of a 7B-class KV)")
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
@@ -139,13 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "mib": args.mib,
         "repeats": args.repeats,
-        "machine": {
-            "cpus": mp.cpu_count(), "python": platform.python_version(), "grpcio": grpc.__version__,
-            "loadavg_1m": [load_before, os.getloadavg()[0]],
-        },
+        "machine": {**machine(), "grpcio": grpc.__version__, "loadavg_1m": [load_before, os.getloadavg()[0]]},
         "rows": rows,
     }
-    print(f"wrote {write_results(args.out, meta)}")
+    print(f"wrote {write_results('grpc-ceiling', meta, report(meta))}")
     return 0
 
 

@@ -248,6 +248,11 @@ def summarize(result: dict) -> dict:
     }
 
 
+def pooled_itls(result: dict) -> list[float]:
+    """Every request's ITL gaps in one list (seconds), as `vllm bench serve` pools them."""
+    return [x for per_req in result.get("itls", []) for x in per_req]
+
+
 STALL_MS = 100.0  # an ITL gap this long is a stall (a 1.5k-token prefill takes ~200 ms on one core)
 
 
@@ -391,7 +396,7 @@ def report(raw: dict, notes: dict, workloads: dict, args) -> None:
                 )
                 ttfts += [t for t in result.get("ttfts", []) if t]
                 if stream == workload["itl_stream"]:
-                    itls += [x for per_req in result.get("itls", []) for x in per_req]
+                    itls += pooled_itls(result)
             samples[setup] = (ttfts, itls)
         shapes = {setup: tail_shape(itls) for setup, (_, itls) in samples.items() if itls}
         if shapes:
@@ -443,7 +448,7 @@ def stream_tail(raw, setup, workload, stream) -> dict:
         result = raw[setup][workload]["results"][stream]
     except KeyError:
         return {}
-    return tail_shape([x for per_req in result.get("itls", []) for x in per_req])
+    return tail_shape(pooled_itls(result))
 
 
 def verdicts(raw: dict, workloads: dict) -> list[str]:
@@ -467,7 +472,6 @@ def verdicts(raw: dict, workloads: dict) -> list[str]:
     if "interference" in workloads:
         check("interference, P/D ITL p99 vs vLLM P/D", metric(raw, "pd", "interference", "decode", "itl_p99_ms"),
               metric(raw, "vllm-pd", "interference", "decode", "itl_p99_ms"), 1.0)
-    if "interference" in workloads:
         ours, agg = stream_tail(raw, "pd", "interference", "decode"), stream_tail(raw, "aggregated", "interference", "decode")
         if ours and agg:
             out.append(
