@@ -101,3 +101,87 @@ def test_a_tokenizer_that_does_not_load_leaves_the_router_estimating(tmp_path, c
 
     assert asyncio.run(scenario()) == 100
     assert "did not load" in caplog.text
+
+
+# -- relaying a replica's SSE stream ---------------------------------------------------------
+
+EVENTS = [
+    'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"h\u00e9llo"}]}',
+    'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" w\u00f6rld"}]}',
+    'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"!"}]}',
+    "data: [DONE]",
+]
+
+
+def test_sse_events_split_at_every_byte_boundary():
+    from pdcluster.orchestrator.router import SSEEvents
+
+    stream = (EVENTS[0] + "\n\n" + EVENTS[1] + "\r\n\r\n" + EVENTS[2] + "\n\n\n\n" + EVENTS[3]).encode()
+    for cut in range(len(stream) + 1):
+        events = SSEEvents()
+        got = events.feed(stream[:cut]) + events.feed(stream[cut:]) + events.flush()
+        assert got == [[e] for e in EVENTS], cut
+    events = SSEEvents()
+    assert events.feed(b"data: a\ndata: b\n\nda") == [["data: a", "data: b"]]  # a two-line event
+    assert events.feed(b"ta: c\n\n") == [["data: c"]] and events.flush() == []
+
+
+class _SSEReplica:
+    """A replica speaking HTTP/1.1 on 127.0.0.1 that writes an SSE stream in awkward pieces: a
+    character split across writes, two events in one write, and the third event only once the
+    client has received the second (a relay that waits for more input before passing on what it
+    has never gets there)."""
+
+    def __init__(self, client_has_second: asyncio.Event):
+        self.client_has_second = client_has_second
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+
+        async def chunk(data: bytes) -> None:
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
+
+        first = EVENTS[0].encode()
+        split = first.index("\u00e9".encode()) + 1  # inside the two bytes of the character
+        await chunk(first[:split])
+        await chunk(first[split:] + b"\n\n" + EVENTS[1].encode() + b"\r\n\r\n")
+        await asyncio.wait_for(self.client_has_second.wait(), 20)
+        await chunk(EVENTS[2].encode() + b"\n\n" + EVENTS[3].encode())  # no closing blank line
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+
+def test_relay_passes_each_event_on_as_soon_as_it_is_complete():
+    async def scenario():
+        has_second = asyncio.Event()
+        replica = await asyncio.start_server(_SSEReplica(has_second).serve, "127.0.0.1", 0)
+        port = replica.sockets[0].getsockname()[1]
+        router = Router(RouterSettings(model_name="tiny", mode="aggregated"))
+        router.update_replicas([{**row("aggregated-0", "aggregated"), "url": f"http://127.0.0.1:{port}"}])
+        url = await router.start("127.0.0.1", 0)
+        lines = []
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                body = {"model": "tiny", "prompt": "def f():", "max_tokens": 3, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        lines.append(line)
+                        if line == EVENTS[1]:
+                            has_second.set()
+        finally:
+            await router.stop()
+            replica.close()
+        return lines, router
+
+    lines, router = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert [line for line in lines if line] == EVENTS
+    assert lines.count("") == len(EVENTS)  # every event closed by its blank line, the last one too
+    metrics = router.metrics.exposition().decode()
+    assert re.search(r'pdcluster_requests_total\{endpoint="completions",outcome="ok"\} 1\.0', metrics), metrics
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
