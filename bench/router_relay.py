@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,7 @@ EVENT = (
 
 REPLICA = r'''
 import asyncio, re, sys
-EVENT, COUNT, GAP = sys.argv[1].encode().decode("unicode_escape").encode(), int(sys.argv[2]), float(sys.argv[3])
+EVENT, COUNT, GAP = sys.argv[1].encode(), int(sys.argv[2]), float(sys.argv[3])
 
 async def serve(reader, writer):
     try:
@@ -71,12 +72,13 @@ asyncio.run(main())
 
 ROUTER = r'''
 import asyncio, sys
+from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router, RouterSettings
 
 async def main():
     router = Router(RouterSettings(model_name="tiny", mode="aggregated"))
     router.update_replicas([{"replica_id": "aggregated-0", "role": "aggregated", "url": sys.argv[1],
-                             "state": 2, "node": "127.0.0.1", "stats": {}}])
+                             "state": int(ReplicaState.READY), "node": "127.0.0.1", "stats": {}}])
     await router.start("127.0.0.1", int(sys.argv[2]))
     print("ready", flush=True)
     await asyncio.Event().wait()
@@ -87,7 +89,7 @@ asyncio.run(main())
 
 def _start(code: str, args: list[str], cwd: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, stdout=subprocess.PIPE, text=True,
-                            env={**__import__("os").environ, "PYTHONPATH": str(cwd)})
+                            env={**os.environ, "PYTHONPATH": str(cwd)})
     line = proc.stdout.readline()  # blocks until the server says it listens
     if line.strip() != "ready":
         proc.kill()
@@ -148,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         setups.append((f"router ({label})", Path(path).resolve()))
 
     port = free_port()
-    escaped = EVENT.decode().encode("unicode_escape").decode()
-    replica = _start(REPLICA, [escaped, str(args.events), str(args.gap_ms / 1000), str(port)], ROOT)
+    replica = _start(REPLICA, [EVENT.decode(), str(args.events), str(args.gap_ms / 1000), str(port)], ROOT)
     rows: list[dict] = []
     try:
         for repeat in range(args.repeats):
