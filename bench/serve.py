@@ -5,12 +5,17 @@ Setups, started in turn on the same 2 cores with the same model and engine setti
               `auto`: shared memory, both on one node); streams get the prefill's first token at
               once (router.first_token_from_prefill, the default)
   aggregated  pdcluster `mode: aggregated`, 2 replicas (core 0, core 1), no handoff
-  vllm-pd     two `vllm serve` engines with vLLM's NixlConnector (CPU buffers, tuned: no UCX
-              progress thread, no NIXL core pin; prefill core 0, decode core 1) behind a minimal
-              proxy doing the do_remote_decode -> kv_transfer_params handoff (bench/vllm_pd_proxy.py)
+  vllm-pd     two stock `vllm serve` engines with vLLM's NixlConnector (prefill core 0, decode
+              core 1) behind a minimal proxy doing the do_remote_decode -> kv_transfer_params
+              handoff (bench/vllm_pd_proxy.py)
   pd-classic  `pd` with first_token_from_prefill off: decode samples the first token (diagnostic)
 pdcluster's engines run their model in the engine-core process (roles.*.single_process, the
 default); `vllm serve` keeps vLLM's CPU layout (a worker process per engine).
+
+The vllm-pd baseline is stock vLLM (pdcluster's plugin not loaded, stock knobs only); what that
+means on CPU and the two things it still needs from us to run at all (the CPU wheel's CLI
+version lookup; AMX permission on AMX CPUs) are in bench/vllm_pd_proxy.py.
+
 Workloads, driven by vLLM's own client (`vllm bench serve`, random dataset), so the numbers are
 computed by a tool we did not write:
   steady        short prompts at a steady Poisson rate
@@ -27,7 +32,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,11 +43,19 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdcluster.config import RoleSection  # noqa: E402
-from pdcluster.engine.spec import EngineSpec  # noqa: E402
 from bench.common import (  # noqa: E402
-    MODEL, RESULTS, ROOT, base_config, cluster, free_port, machine, metric_samples, process_role, write_results,
+    MODEL,
+    RESULTS,
+    ROOT,
+    base_config,
+    cluster,
+    machine,
+    metric_samples,
+    process_role,
+    write_results,
 )
+from bench.vllm_pd_proxy import vllm_pd_setup  # noqa: E402
+from pdcluster.config import RoleSection  # noqa: E402
 
 ENGINE_ARGS = {"enforce_eager": True, "max_num_seqs": 64, "max_num_batched_tokens": 4096}
 MAX_MODEL_LEN = 4096
@@ -53,105 +65,79 @@ KV_GIB = 2
 @contextlib.contextmanager
 def pdcluster_setup(name: str, mode: str, workdir: Path, first_token_from_prefill: bool = True) -> Iterator[str]:
     roles = {
-        "prefill": {"replicas": 1 if mode == "disaggregated" else 0, "cpu_bind": ["0"], "kv_cache_gib": KV_GIB, "engine_args": ENGINE_ARGS},
-        "decode": {"replicas": 1 if mode == "disaggregated" else 0, "cpu_bind": ["1"], "kv_cache_gib": KV_GIB, "engine_args": ENGINE_ARGS},
-        "aggregated": {"replicas": 2 if mode == "aggregated" else 0, "cpu_bind": ["0", "1"], "kv_cache_gib": KV_GIB, "engine_args": ENGINE_ARGS},
+        "prefill": {
+            "replicas": 1 if mode == "disaggregated" else 0,
+            "cpu_bind": ["0"],
+            "kv_cache_gib": KV_GIB,
+            "engine_args": ENGINE_ARGS,
+        },
+        "decode": {
+            "replicas": 1 if mode == "disaggregated" else 0,
+            "cpu_bind": ["1"],
+            "kv_cache_gib": KV_GIB,
+            "engine_args": ENGINE_ARGS,
+        },
+        "aggregated": {
+            "replicas": 2 if mode == "aggregated" else 0,
+            "cpu_bind": ["0", "1"],
+            "kv_cache_gib": KV_GIB,
+            "engine_args": ENGINE_ARGS,
+        },
     }
     config = base_config(
-        name, mode=mode, roles=roles, speculative=None, model={"max_model_len": MAX_MODEL_LEN},
+        name,
+        mode=mode,
+        roles=roles,
+        speculative=None,
+        model={"max_model_len": MAX_MODEL_LEN},
         router={"first_token_from_prefill": first_token_from_prefill},
     )
     with cluster(config, workdir) as endpoint:
         yield endpoint
 
 
-def _vllm_serve(port: int, bind: str, side_port: int, log: Path) -> subprocess.Popen:
-    # The process settings pdcluster's engines get from a role with the config's defaults (our
-    # vLLM plugin is loaded by `vllm serve` too): equal settings. The engine layout stays
-    # vLLM's own (engine core + worker process; single_process is pdcluster's engine host).
-    role = RoleSection()
-    engine_env = EngineSpec(
-        role="aggregated", engine_id="vllm-serve", model=str(MODEL), cpu_threads_bind=bind,
-        kv_cache_gib=KV_GIB, onednn_cache=role.onednn_cache, worker_spin_ms=role.worker_spin_ms,
-    ).env()
-    env = dict(
-        os.environ,
-        **engine_env,
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
-        PDCLUSTER_NIXL_CPU_TUNING="1",
-    )
+def bench_serve(
+    endpoint: str, out: Path, *, input_len: int, output_len: int, prompts: int, rate: float, seed: int
+) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "pdcluster.vllm_cli", "serve", str(MODEL),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-        "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
-        "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
-        "--disable-uvicorn-access-log",
-        "--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"}),
-    ]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _await_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    """Await a third-party server's readiness through its /health endpoint (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{url} exited: {log.read_text(errors='replace')[-3000:]}")
-            try:
-                if client.get(url + "/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
-            time.sleep(1)  # re-check after a second (server readiness has no event to wait on)
-    raise RuntimeError(f"{url} not healthy after {timeout_s} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-@contextlib.contextmanager
-def vllm_pd_setup(workdir: Path) -> Iterator[str]:
-    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-    procs = []
-    try:
-        prefill = _vllm_serve(p_port, "0", free_port(), workdir / "vllm-prefill.log")
-        procs.append(prefill)
-        decode = _vllm_serve(d_port, "1", free_port(), workdir / "vllm-decode.log")
-        procs.append(decode)
-        _await_health(f"http://127.0.0.1:{p_port}", prefill, workdir / "vllm-prefill.log")
-        _await_health(f"http://127.0.0.1:{d_port}", decode, workdir / "vllm-decode.log")
-        proxy = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "vllm_pd_proxy.py"), "--prefill", f"http://127.0.0.1:{p_port}",
-             "--decode", f"http://127.0.0.1:{d_port}", "--port", str(proxy_port)],
-            cwd=ROOT, stdout=open(workdir / "proxy.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        procs.append(proxy)
-        _await_health(f"http://127.0.0.1:{proxy_port}", proxy, workdir / "proxy.log", 60)
-        yield f"http://127.0.0.1:{proxy_port}"
-    finally:
-        for proc in procs:
-            _stop(proc)
-
-
-def bench_serve(endpoint: str, out: Path, *, input_len: int, output_len: int, prompts: int, rate: float, seed: int) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "pdcluster.vllm_cli", "bench", "serve",
-        "--backend", "openai", "--base-url", endpoint, "--endpoint", "/v1/completions",
-        "--model", "tiny", "--tokenizer", str(MODEL),
-        "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-        "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name,
+        sys.executable,
+        "-m",
+        "pdcluster.vllm_cli",
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        endpoint,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        "tiny",
+        "--tokenizer",
+        str(MODEL),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(prompts),
+        "--request-rate",
+        str(rate),
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
         "--disable-tqdm",
     ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out.with_suffix(".log"), "wb"), stderr=subprocess.STDOUT)
@@ -166,12 +152,19 @@ def run_workload(endpoint: str, workload: dict, workdir: Path, tag: str) -> dict
     results = {}
     for stream, (proc, out) in procs.items():
         if proc.wait(3600) != 0:
-            raise RuntimeError(f"vllm bench serve failed ({tag}/{stream}): {out.with_suffix('.log').read_text()[-3000:]}")
+            raise RuntimeError(
+                f"vllm bench serve failed ({tag}/{stream}): {out.with_suffix('.log').read_text()[-3000:]}"
+            )
         results[stream] = json.loads(out.read_text())
     return results
 
 
-PROFILE_METRICS = ("pdcluster_prefill_seconds", "pdcluster_ttft_seconds", "pdcluster_kv_pull_seconds_total", "pdcluster_kv_pulls_total")
+PROFILE_METRICS = (
+    "pdcluster_prefill_seconds",
+    "pdcluster_ttft_seconds",
+    "pdcluster_kv_pull_seconds_total",
+    "pdcluster_kv_pulls_total",
+)
 
 
 def scrape(endpoint: str) -> dict[str, float]:
@@ -190,7 +183,9 @@ def scrape(endpoint: str) -> dict[str, float]:
 
 def profile(before: dict, after: dict) -> dict[str, float | None]:
     def delta(prefix: str) -> float:
-        return sum(v for k, v in after.items() if k.startswith(prefix)) - sum(v for k, v in before.items() if k.startswith(prefix))
+        return sum(v for k, v in after.items() if k.startswith(prefix)) - sum(
+            v for k, v in before.items() if k.startswith(prefix)
+        )
 
     def mean(name: str) -> float | None:
         count = delta(f"{name}_count")
@@ -205,6 +200,7 @@ def profile(before: dict, after: dict) -> dict[str, float | None]:
 
 
 # -- where the CPU goes -------------------------------------------------------------------
+
 
 def cpu_snapshot() -> dict[int, tuple[str, float]]:
     import psutil
@@ -238,7 +234,11 @@ def summarize(result: dict) -> dict:
 
     return {
         "completed": get("completed"),
-        "failed": get("failed", ) if get("failed") is not None else len([e for e in result.get("errors", []) if e]),
+        "failed": get(
+            "failed",
+        )
+        if get("failed") is not None
+        else len([e for e in result.get("errors", []) if e]),
         "ttft_p50_ms": get("p50_ttft_ms"),
         "ttft_p99_ms": get("p99_ttft_ms"),
         "itl_p50_ms": get("p50_itl_ms"),
@@ -253,7 +253,7 @@ def pooled_itls(result: dict) -> list[float]:
     return [x for per_req in result.get("itls", []) for x in per_req]
 
 
-STALL_MS = 100.0  # an ITL gap this long is a stall (a 1.5k-token prefill takes ~200 ms on one core)
+STALL_MS = 100.0  # an ITL gap this long is a stall: far beyond a decode step, shorter than a long prefill
 
 
 def tail_shape(itls_s: list[float]) -> dict:
@@ -266,8 +266,15 @@ def tail_shape(itls_s: list[float]) -> dict:
     ms = np.asarray(itls_s) * 1e3
     p99, p995, p999 = np.percentile(ms, [99, 99.5, 99.9])
     stalls = int((ms > STALL_MS).sum())
-    return {"samples": int(ms.size), "itl_p99_ms": float(p99), "itl_p995_ms": float(p995), "itl_p999_ms": float(p999),
-            "itl_max_ms": float(ms.max()), "stalls": stalls, "stall_share": stalls / ms.size}
+    return {
+        "samples": int(ms.size),
+        "itl_p99_ms": float(p99),
+        "itl_p995_ms": float(p995),
+        "itl_p999_ms": float(p999),
+        "itl_max_ms": float(ms.max()),
+        "stalls": stalls,
+        "stall_share": stalls / ms.size,
+    }
 
 
 def plot(samples: dict, workload: str, path: Path) -> None:
@@ -300,9 +307,9 @@ WORKLOADS = {
         "itl_stream": "short",
         "streams": {"short": dict(input_len=512, output_len=64, prompts=160, rate=4.0, seed=1)},
     },
-    # One long prefill stalls every stream decoding on the same engine once. At 0.5 long/s those
-    # stalls were < 1% of the ITL samples, under what p99 resolves; at 1/s, measured in run 10,
-    # 0.63% of aggregated's gaps were stalls over 100 ms (the report's tail table shows each run's).
+    # One long prefill stalls every stream decoding on the same engine once. The long prompts
+    # arrive at 1/s so that those stalls come near the 1% of ITL samples a p99 resolves (at
+    # 0.5/s they stayed well under it); each run's share is in the report's tail table.
     "interference": {
         "itl_stream": "decode",
         "streams": {
@@ -322,7 +329,9 @@ WORKLOADS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--setups", nargs="+", default=["pd", "aggregated", "vllm-pd", "pd-classic"],
+        "--setups",
+        nargs="+",
+        default=["pd", "aggregated", "vllm-pd", "pd-classic"],
         help="pd-classic: pdcluster P/D with router.first_token_from_prefill off (decode samples the first token)",
     )
     parser.add_argument("--workloads", nargs="+", default=["steady", "interference", "light"])
@@ -342,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
             starter = {
                 "pd": lambda: pdcluster_setup("bench-pd", "disaggregated", workdir),
                 "aggregated": lambda: pdcluster_setup("bench-agg", "aggregated", workdir),
-                "pd-classic": lambda: pdcluster_setup("bench-pd-classic", "disaggregated", workdir, first_token_from_prefill=False),
-                "vllm-pd": lambda: vllm_pd_setup(workdir),
+                "pd-classic": lambda: pdcluster_setup(
+                    "bench-pd-classic", "disaggregated", workdir, first_token_from_prefill=False
+                ),
+                "vllm-pd": lambda: vllm_pd_setup(
+                    workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache
+                ),
             }[setup]
             try:
                 with starter() as endpoint:
@@ -351,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                         before, cpu_before, t0 = scrape(endpoint), cpu_snapshot(), time.monotonic()
                         results = run_workload(endpoint, workload, workdir, f"{setup}-{name}")
                         cpu = cpu_profile(cpu_before, cpu_snapshot(), time.monotonic() - t0)
-                        raw.setdefault(setup, {})[name] = {"results": results, "profile": profile(before, scrape(endpoint)), "cpu": cpu}
+                        raw.setdefault(setup, {})[name] = {
+                            "results": results,
+                            "profile": profile(before, scrape(endpoint)),
+                            "cpu": cpu,
+                        }
                         print(setup, name, json.dumps({s: summarize(r) for s, r in results.items()}), flush=True)
             except (RuntimeError, subprocess.SubprocessError) as exc:
                 notes[setup] = str(exc)[-2000:]
@@ -380,9 +397,14 @@ def report(raw: dict, notes: dict, workloads: dict, args) -> None:
             f"{s}: {p['prompts']} x {p['input_len']} in / {p['output_len']} out at {p['rate']} req/s"
             for s, p in workload["streams"].items()
         )
-        lines += [f"## {name}", "", f"Streams (run concurrently): {streams}.", "",
-                  "| setup | stream | done | failed | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT mean | out tok/s |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {name}",
+            "",
+            f"Streams (run concurrently): {streams}.",
+            "",
+            "| setup | stream | done | failed | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT mean | out tok/s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         samples = {}
         for setup, per in raw.items():
             if name not in per:
@@ -400,10 +422,14 @@ def report(raw: dict, notes: dict, workloads: dict, args) -> None:
             samples[setup] = (ttfts, itls)
         shapes = {setup: tail_shape(itls) for setup, (_, itls) in samples.items() if itls}
         if shapes:
-            lines += ["", f"Tail of the `{workload['itl_stream']}` stream's ITL (all its gaps pooled; "
-                      f"stall: a gap over {STALL_MS:.0f} ms):", "",
-                      "| setup | gaps | ITL p99 | p99.5 | p99.9 | max | stalls | stall share |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += [
+                "",
+                f"Tail of the `{workload['itl_stream']}` stream's ITL (all its gaps pooled; "
+                f"stall: a gap over {STALL_MS:.0f} ms):",
+                "",
+                "| setup | gaps | ITL p99 | p99.5 | p99.9 | max | stalls | stall share |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
+            ]
             for setup, t in shapes.items():
                 lines.append(
                     f"| {setup} | {t['samples']} | {fmt(t['itl_p99_ms'])} | {fmt(t['itl_p995_ms'])} | {fmt(t['itl_p999_ms'])} | "
@@ -414,15 +440,28 @@ def report(raw: dict, notes: dict, workloads: dict, args) -> None:
         if samples:
             plot(samples, name, png)
             lines += ["", f"![{name} CDFs]({png.name})", ""]
-        profiles = {setup: per[name]["profile"] for setup, per in raw.items() if name in per and any(per[name]["profile"].values())}
+        profiles = {
+            setup: per[name]["profile"]
+            for setup, per in raw.items()
+            if name in per and any(per[name]["profile"].values())
+        }
         if profiles:
             lines += ["Where TTFT goes (pdcluster router metrics, means over the run):", ""]
-            lines += ["| setup | router TTFT | prefill phase (router -> P -> router) | KV pull (on D) |", "|---|---:|---:|---:|"]
+            lines += [
+                "| setup | router TTFT | prefill phase (router -> P -> router) | KV pull (on D) |",
+                "|---|---:|---:|---:|",
+            ]
             for setup, p in profiles.items():
-                lines.append(f"| {setup} | {fmt(p['router_ttft_mean_ms'])} | {fmt(p['prefill_phase_mean_ms'])} | {fmt(p['kv_pull_mean_ms'])} |")
+                lines.append(
+                    f"| {setup} | {fmt(p['router_ttft_mean_ms'])} | {fmt(p['prefill_phase_mean_ms'])} | {fmt(p['kv_pull_mean_ms'])} |"
+                )
             lines.append("")
-    lines += ["## Where the CPU went", "",
-              "CPU-seconds per process role during each workload (2 cores: at most 2 CPU-seconds per wall second).", ""]
+    lines += [
+        "## Where the CPU went",
+        "",
+        "CPU-seconds per process role during each workload (2 cores: at most 2 CPU-seconds per wall second).",
+        "",
+    ]
     for setup, per in raw.items():
         for name in workloads:
             cpu = per.get(name, {}).get("cpu")
@@ -433,7 +472,11 @@ def report(raw: dict, notes: dict, workloads: dict, args) -> None:
     lines += ["", "## Targets", ""] + verdicts(raw, workloads)
     for setup, note in notes.items():
         lines += ["", f"**{setup} could not run**: ```{note}```"]
-    write_results("serve", {"machine": machine(), "args": vars(args), "workloads": workloads, "raw": raw, "notes": notes}, "\n".join(lines) + "\n")
+    write_results(
+        "serve",
+        {"machine": machine(), "args": vars(args), "workloads": workloads, "raw": raw, "notes": notes},
+        "\n".join(lines) + "\n",
+    )
 
 
 def metric(raw, setup, workload, stream, key):
@@ -459,38 +502,71 @@ def verdicts(raw: dict, workloads: dict) -> list[str]:
             out.append(f"- {label}: not measured")
             return
         ratio = ours / theirs
-        out.append(f"- {label}: {ours:.1f} / {theirs:.1f} ms = **{ratio:.2f}x** (target ≤ {bound}x) — {'met' if ratio <= bound else 'MISSED'}")
+        out.append(
+            f"- {label}: {ours:.1f} / {theirs:.1f} ms = **{ratio:.2f}x** (target ≤ {bound}x) — {'met' if ratio <= bound else 'MISSED'}"
+        )
 
     if "interference" in workloads:
-        check("interference, P/D p99 ITL vs aggregated", metric(raw, "pd", "interference", "decode", "itl_p99_ms"),
-              metric(raw, "aggregated", "interference", "decode", "itl_p99_ms"), 0.5)
+        check(
+            "interference, P/D p99 ITL vs aggregated",
+            metric(raw, "pd", "interference", "decode", "itl_p99_ms"),
+            metric(raw, "aggregated", "interference", "decode", "itl_p99_ms"),
+            0.5,
+        )
     if "steady" in workloads:
-        check("steady, P/D TTFT p50 vs aggregated", metric(raw, "pd", "steady", "short", "ttft_p50_ms"),
-              metric(raw, "aggregated", "steady", "short", "ttft_p50_ms"), 1.2)
-        check("steady, P/D TTFT p50 vs vLLM P/D", metric(raw, "pd", "steady", "short", "ttft_p50_ms"),
-              metric(raw, "vllm-pd", "steady", "short", "ttft_p50_ms"), 1.0)
+        check(
+            "steady, P/D TTFT p50 vs aggregated",
+            metric(raw, "pd", "steady", "short", "ttft_p50_ms"),
+            metric(raw, "aggregated", "steady", "short", "ttft_p50_ms"),
+            1.2,
+        )
+        check(
+            "steady, P/D TTFT p50 vs vLLM P/D",
+            metric(raw, "pd", "steady", "short", "ttft_p50_ms"),
+            metric(raw, "vllm-pd", "steady", "short", "ttft_p50_ms"),
+            1.0,
+        )
     if "interference" in workloads:
-        check("interference, P/D ITL p99 vs vLLM P/D", metric(raw, "pd", "interference", "decode", "itl_p99_ms"),
-              metric(raw, "vllm-pd", "interference", "decode", "itl_p99_ms"), 1.0)
-        ours, agg = stream_tail(raw, "pd", "interference", "decode"), stream_tail(raw, "aggregated", "interference", "decode")
+        check(
+            "interference, P/D ITL p99 vs vLLM P/D",
+            metric(raw, "pd", "interference", "decode", "itl_p99_ms"),
+            metric(raw, "vllm-pd", "interference", "decode", "itl_p99_ms"),
+            1.0,
+        )
+        ours, agg = (
+            stream_tail(raw, "pd", "interference", "decode"),
+            stream_tail(raw, "aggregated", "interference", "decode"),
+        )
         if ours and agg:
             out.append(
                 f"- (diagnostic) interference, P/D ITL p99.9 vs aggregated: {ours['itl_p999_ms']:.1f} / {agg['itl_p999_ms']:.1f} ms = "
                 f"{ours['itl_p999_ms'] / agg['itl_p999_ms']:.2f}x; gaps over {STALL_MS:.0f} ms: {ours['stall_share']:.2%} of P/D's vs "
                 f"{agg['stall_share']:.2%} of aggregated's (a p99 shows stalls only once they pass 1% of the gaps)"
             )
-    for name, stream, key in (("steady", "short", "ttft_p50_ms"), ("steady", "short", "itl_p99_ms"), ("interference", "decode", "itl_p99_ms")):
+    for name, stream, key in (
+        ("steady", "short", "ttft_p50_ms"),
+        ("steady", "short", "itl_p99_ms"),
+        ("interference", "decode", "itl_p99_ms"),
+    ):
         ours, classic = metric(raw, "pd", name, stream, key), metric(raw, "pd-classic", name, stream, key)
         if name in workloads and ours is not None and classic is not None:
-            out.append(f"- (diagnostic) {name}, P/D {key} with the first token from the prefill vs without (pd-classic): {ours:.1f} / {classic:.1f} ms = {ours / classic:.2f}x")
+            out.append(
+                f"- (diagnostic) {name}, P/D {key} with the first token from the prefill vs without (pd-classic): {ours:.1f} / {classic:.1f} ms = {ours / classic:.2f}x"
+            )
     if "light" in workloads:
         for other in ("aggregated", "vllm-pd"):
-            ours, theirs = metric(raw, "pd", "light", "short", "ttft_p50_ms"), metric(raw, other, "light", "short", "ttft_p50_ms")
+            ours, theirs = (
+                metric(raw, "pd", "light", "short", "ttft_p50_ms"),
+                metric(raw, other, "light", "short", "ttft_p50_ms"),
+            )
             if ours is not None and theirs is not None:
-                out.append(f"- (diagnostic) light load, P/D TTFT p50 vs {other}: {ours:.1f} / {theirs:.1f} ms = {ours / theirs:.2f}x")
+                out.append(
+                    f"- (diagnostic) light load, P/D TTFT p50 vs {other}: {ours:.1f} / {theirs:.1f} ms = {ours / theirs:.2f}x"
+                )
     failed = {
         f"{setup}/{w}": sum(summarize(r)["failed"] or 0 for r in per[w]["results"].values())
-        for setup, per in raw.items() for w in per
+        for setup, per in raw.items()
+        for w in per
     }
     ours = {k: v for k, v in failed.items() if not k.startswith("vllm-pd/")}
     baseline = {k: v for k, v in failed.items() if k.startswith("vllm-pd/")}

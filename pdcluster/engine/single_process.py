@@ -12,11 +12,11 @@ the engine-core process instead (vLLM's `uni` executor): `SingleProcessCPUWorker
 engine-core thread that will run the forwards to the role's cores and sets torch's thread count
 before vLLM's CPU worker initialises (threads that thread starts later inherit the binding, as
 the worker process's threads do on the multiprocessing path). One thread schedules and computes;
-no step crosses a process.
+no step crosses a process. What that does to decode ITL and TPOT under interference is measured
+in bench/results/2026-11-30-serve.md (summarised in the README).
 
-Measured with bench/serve.py's interference workload, P/D, three alternating pairs of runs:
-decode-stream ITL p99 12.1 / 12.9 / 11.3 ms single-process vs 16.0 / 16.1 / 19.6 ms with the
-worker process, TPOT 3.5-3.9 vs 5.2-5.6 ms.
+The vLLM internals this relies on (CPUWorker.init_device's ordering, vLLM's core-list parser, the
+executor fields of ParallelConfig) are reached through pdcluster.compat.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import logging
 import os
 from typing import Any
 
-from vllm.utils.cpu_resource_utils import parse_id_list
-from vllm.v1.worker.cpu_worker import CPUWorker
+from pdcluster import compat
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ def explicit_cores(mask: str | None) -> list[int] | None:
     if not mask or mask in ("auto", "nobind") or "|" in mask:
         return None
     try:
-        return parse_id_list(mask) or None
+        return compat.parse_cpu_list(mask) or None
     except ValueError:
         return None
 
@@ -50,17 +49,16 @@ def use_single_process(vllm_config: Any, cores: list[int] | None) -> str | None:
     """Switch a CPU engine's config to the in-process executor; returns why not, or None.
 
     Called for CPU engines, on the config vLLM's platform has already adjusted (it sets `mp`)."""
-    parallel = vllm_config.parallel_config
-    if parallel.world_size != 1:
-        return f"{parallel.world_size} workers (tensor/pipeline parallel) need worker processes"
+    world_size, backend, worker_cls = compat.executor_choice(vllm_config)
+    if world_size != 1:
+        return f"{world_size} workers (tensor/pipeline parallel) need worker processes"
     if cores is None:
         return "no explicit core list (cpu_bind) to bind the engine thread to"
-    if parallel.distributed_executor_backend not in ("mp", "uni"):
-        return f"executor {parallel.distributed_executor_backend!r} chosen explicitly"
-    if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", WORKER_CLS):
-        return f"worker class {parallel.worker_cls!r} chosen explicitly"
-    parallel.distributed_executor_backend = "uni"
-    parallel.worker_cls = WORKER_CLS
+    if backend not in ("mp", "uni"):
+        return f"executor {backend!r} chosen explicitly"
+    if worker_cls not in ("auto", compat.cpu_worker_name(), WORKER_CLS):
+        return f"worker class {worker_cls!r} chosen explicitly"
+    compat.run_model_in_engine_core(vllm_config, WORKER_CLS)
     return None
 
 
@@ -72,7 +70,7 @@ def bind_this_thread(cores: list[int]) -> None:
     torch.set_num_threads(len(cores))
 
 
-class SingleProcessCPUWorker(CPUWorker):
+class SingleProcessCPUWorker(compat.cpu_worker_base()):
     """vLLM's CPU worker, bound in place of the worker process vLLM would have started."""
 
     def init_device(self) -> None:

@@ -20,7 +20,9 @@ BASE = {"model": {"path": "models/pdcluster-tiny-code"}}
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdcluster.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pdcluster.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "nvidia-node.yaml", "ascend-node.yaml"])
@@ -36,8 +38,14 @@ def test_shipped_configs_are_valid(name):
         ({**BASE, "rolez": {}}, "rolez: unknown key"),
         ({**BASE, "roles": {"prefill": {"replicaz": 2}}}, "roles.prefill.replicaz: unknown key"),
         ({**BASE, "router": {"port": "eighty"}}, "router.port: Input should be a valid integer"),
-        ({**BASE, "roles": {"decode": {"engine_args": {"model": "other"}}}}, "roles.decode.engine_args: 'model' is set once"),
-        ({**BASE, "roles": {"decode": {"engine_args": {"block_size": 64}}}}, "roles.decode.engine_args.block_size: must equal roles.prefill"),
+        (
+            {**BASE, "roles": {"decode": {"engine_args": {"model": "other"}}}},
+            "roles.decode.engine_args: 'model' is set once",
+        ),
+        (
+            {**BASE, "roles": {"decode": {"engine_args": {"block_size": 64}}}},
+            "roles.decode.engine_args.block_size: must equal roles.prefill",
+        ),
         ({**BASE, "speculative": {"method": "eagle"}}, "speculative.method: Input should be 'mtp'"),
         ({**BASE, "kv_transfer": {"port_range": [80, 90]}}, "kv_transfer.port_range: need 1024"),
         ({**BASE, "kv_transfer": {"secret": "a", "secret_file": "b"}}, "kv_transfer: set either secret or secret_file"),
@@ -58,7 +66,10 @@ def test_errors_name_the_yaml_path(data, message):
     [
         ("model: {path: m}\nroles: {decode: {replicas: -2}}\n", "roles.decode.replicas: must be ≥ 0"),
         ("model: {path: m}\nextra_key: 1\n", "extra_key: unknown key"),
-        ("model: {path: m}\nroles: {prefill: {replicas: two}}\n", "roles.prefill.replicas: Input should be a valid integer"),
+        (
+            "model: {path: m}\nroles: {prefill: {replicas: two}}\n",
+            "roles.prefill.replicas: Input should be a valid integer",
+        ),
         ("model: {path: m}\nroles: {prefill: {engine_args: {model: other-model}}}\n", "'model' is set once"),
         ("model: [unclosed\n", "not valid YAML (line"),
     ],
@@ -109,14 +120,16 @@ def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
     with pytest.raises(ConfigError, match="speculative.method: 'mtp' needs a model with MTP layers"):
         load_config(path)
     path.write_text(yaml.safe_dump({"model": {"path": str(model), "max_model_len": 8192}}))
-    with pytest.raises(ConfigError, match=r"model.max_model_len: 8192 exceeds the model's max_position_embeddings \(4096\)"):
+    with pytest.raises(
+        ConfigError, match=r"model.max_model_len: 8192 exceeds the model's max_position_embeddings \(4096\)"
+    ):
         load_config(path)
 
 
 @pytest.mark.parametrize("process, spin", [("VllmWorker-0", "0.005"), ("EngineCore", "0.0"), ("EngineCore_DP1", "0.0")])
 def test_worker_spin_setting_reaches_vllms_step_queues(process, spin):
-    """roles.*.worker_spin_ms travels as an env var that our vLLM plugin (loaded by every vLLM
-    process) applies to vLLM's shared-memory queues before they are made: in workers as set, in
+    """roles.*.worker_spin_ms travels as an env var that our vLLM plugin (active in every vLLM
+    process of a pdcluster engine) applies to vLLM's shared-memory queues before they are made: in workers as set, in
     engine cores (which only wait for their workers' results) as no spin. A reader that went to
     sleep re-reads its queue every IDLE_RECHECK_MS, not every 5 s (a lost wake-up ping stalled
     engines for 5 s)."""
@@ -127,6 +140,7 @@ def test_worker_spin_setting_reaches_vllms_step_queues(process, spin):
         "idle = MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False); "
         "import inspect; print(inspect.unwrap(SpinCondition.__init__).__defaults__[0], idle.timeout_ms())"
     )
-    env = {**os.environ, "PDCLUSTER_WORKER_SPIN_MS": "5"}
+    engine_env = engine_spec(load_config(ROOT / "configs" / "local-cpu.yaml"), "prefill", 0, "prefill-0").env()
+    env = {**os.environ, **engine_env}  # the engine marker and PDCLUSTER_WORKER_SPIN_MS=5
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split()[-2:] == [spin, str(IDLE_RECHECK_MS)]

