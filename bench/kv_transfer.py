@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from pdcluster.kv_transfer.kv_cache import PagedKVCache, huge_pages  # noqa: E402
 from pdcluster.kv_transfer.producer import KVProducer  # noqa: E402
-from pdcluster.kv_transfer.protocol import DEFAULT_CHUNK_BYTES  # noqa: E402
+from pdcluster.kv_transfer.settings import KVTransferSettings  # noqa: E402
 from pdcluster.kv_transfer.staging import BlockGatherer, BlockScatterer  # noqa: E402
 from pdcluster.kv_transfer.transports import create_transport  # noqa: E402
-from pdcluster.kv_transfer.transports.base import CacheSink, TransportSettings  # noqa: E402
+from pdcluster.kv_transfer.transports.base import CacheSink  # noqa: E402
 
 SECRET = "bench-secret"
 TARGETS = {"grpc": 0.25, "shm": 0.6}  # issue 3 and issue 8; collective has none on CPU
@@ -83,9 +83,7 @@ def producer_main(conn, args, num_blocks, requests):
     producer = KVProducer(cache, "bench-prefill", max_chunk_bytes=args.chunk_bytes)
     for request_id, ids in requests.items():
         producer.leases.add(request_id, ids, time.monotonic() + 3600)
-    transport = create_transport(
-        args.transport, TransportSettings(secret=SECRET, max_chunk_bytes=args.chunk_bytes)
-    )
+    transport = create_transport(args.transport, KVTransferSettings(secret=SECRET, max_chunk_bytes=args.chunk_bytes))
     server = transport.serve(producer, "127.0.0.1", 0)
     raw = raw_grpc_server(args.chunk_bytes) if args.transport == "grpc" else None
     conn.send((server.address, raw[1] if raw else None))
@@ -107,7 +105,7 @@ def raw_grpc_server(chunk_bytes: int, bind: str = "127.0.0.1:0"):
     from pdcluster.kv_transfer.transports.grpc_transport import _channel_options
 
     source = torch.empty(1 << 30, dtype=torch.uint8).random_()
-    settings = TransportSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)
+    settings = KVTransferSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)
 
     def stream(request: bytes, context):
         total = int(request)
@@ -134,7 +132,7 @@ def time_raw_grpc(address: str, nbytes: int, chunk_bytes: int, repeats: int, ext
 
     from pdcluster.kv_transfer.transports.grpc_transport import _channel_options
 
-    options = _channel_options(TransportSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)) + list(extra_options)
+    options = _channel_options(KVTransferSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)) + list(extra_options)
     with grpc.insecure_channel(address, options=options) as channel:
         call = channel.unary_stream("/bench.Raw/Stream", request_serializer=bytes, response_deserializer=bytes)
         times = []
@@ -186,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--chunk-bytes", type=int, default=KVTransferSettings().max_chunk_bytes)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transport", default="grpc", choices=["grpc", "shm", "collective"])
     parser.add_argument("--shm-ring", action="store_true", help="shm: force the shared ring")
@@ -202,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = max(args.tokens)
     blocks_needed = -(-max_tokens // args.block_size)
     num_blocks = blocks_needed + 64
-    requests = {
-        f"req-{t}": scattered_ids(num_blocks, -(-t // args.block_size), seed=t) for t in args.tokens
-    }
+    requests = {f"req-{t}": scattered_ids(num_blocks, -(-t // args.block_size), seed=t) for t in args.tokens}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=producer_main, args=(child, args, num_blocks, requests))
@@ -221,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_pulls(args, address: str, raw_address: str | None, num_blocks: int, requests: dict[str, list[int]], producer) -> list[dict]:
+def run_pulls(
+    args, address: str, raw_address: str | None, num_blocks: int, requests: dict[str, list[int]], producer
+) -> list[dict]:
 
     local = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, False)
     source = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, True)
-    transport = create_transport(
-        args.transport, TransportSettings(secret=SECRET, max_chunk_bytes=args.chunk_bytes)
-    )
+    transport = create_transport(args.transport, KVTransferSettings(secret=SECRET, max_chunk_bytes=args.chunk_bytes))
     client = transport.connect(address)
     client.handshake(local.layout, "bench-decode")
     scatterer = BlockScatterer(local, args.chunk_bytes)
@@ -292,11 +288,17 @@ def write_results(args, rows: list[dict]) -> None:
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "transport": args.name,
         "layout": {
-            "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-            "block_size": args.block_size, "dtype": "bfloat16", "chunk_bytes": args.chunk_bytes,
+            "layers": args.layers,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "block_size": args.block_size,
+            "dtype": "bfloat16",
+            "chunk_bytes": args.chunk_bytes,
         },
         "machine": {
-            "cpus": mp.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": mp.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
             # the machine is shared: 1-minute load average before and after the run
             "loadavg_1m": [args.load_before, os.getloadavg()[0]],
         },

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from pdcluster.errors import ConfigError
+from pdcluster.kv_transfer.settings import KVTransferSettings
 
 RoleName = Literal["prefill", "decode", "aggregated"]
 
@@ -83,12 +84,12 @@ class RoleSection(_Model):
         None, ge=1, description="CPU only: KV cache size per engine, whole GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
     onednn_cache: int = Field(
-        128,  # bounded RSS at the same prefill speed as 1024 (bench/results/2026-11-30-soak.md)
+        128,
         ge=0,
         description="CPU only: oneDNN primitive cache entries per engine process "
         "(ONEDNN_PRIMITIVE_CACHE_CAPACITY). oneDNN keeps a compiled kernel per GEMM shape and a "
-        "prefill engine meets a new shape with every batch token count: at oneDNN's default of "
-        "1024 entries its RSS grows by hundreds of MB before the cache is full.",
+        "prefill engine meets a new shape with every batch token count: with oneDNN's default "
+        "of 1024 entries its RSS keeps growing long after start.",
     )
     worker_spin_ms: float | None = Field(
         5.0,
@@ -104,9 +105,7 @@ class RoleSection(_Model):
         description="CPU only: run the model in the engine-core process, bound to this role's "
         "cpu_bind cores, instead of the separate worker process vLLM's CPU platform always "
         "starts (needs cpu_bind and one worker per engine; otherwise the engine keeps its worker "
-        "process and `status` says why). No step then crosses a process: interference ITL p99 "
-        "11.3-12.9 vs 16.0-19.6 ms, TPOT 3.5-3.9 vs 5.2-5.6 ms (P/D, bench/serve.py's "
-        "interference workload, alternating runs).",
+        "process and `status` says why). No step then crosses a process.",
     )
     async_scheduling: bool | None = Field(
         None,
@@ -147,68 +146,10 @@ class Roles(_Model):
     )
 
 
-class FaultInjection(_Model):
-    pull_failure_rate: float = Field(0.0, ge=0, le=1, description="Fail this share of KV pulls.")
-    drop_release_rate: float = Field(0.0, ge=0, le=1, description="Never release this share of leases.")
-    pull_delay_s: float = Field(0.0, ge=0, description="Decode: stall each pull this long.")
-    serve_delay_s: float = Field(0.0, ge=0, description="Prefill: stall before serving a pull (pull timeouts) ...")
-    serve_delay_rate: float = Field(1.0, ge=0, le=1, description="... for this share of pulls.")
-    unreachable_rate: float = Field(0.0, ge=0, le=1, description="Decode: dial a closed port instead of the prefill.")
-    seed: int = Field(0, description="Seed of the fault dice.")
-
-
 class RouterFaultInjection(_Model):
     abandon_after_prefill_rate: float = Field(
         0.0, ge=0, le=1, description="Drop this share of requests between prefill and decode (a client gone)."
     )
-
-
-class KVTransferSection(_Model):
-    backend: Literal["auto", "grpc", "shm", "collective"] = Field(
-        "auto",
-        description="KV transport: auto (shm on one node, collective between same-kind "
-        "accelerators, else grpc), or force grpc, shm (same node) or collective "
-        "(torch.distributed: gloo on CPU, NCCL on CUDA, HCCL on Ascend).",
-    )
-    bind_host: str = Field("127.0.0.1", description="Address KV servers bind to.")
-    advertise_host: str | None = Field(
-        None, description="Address decode engines dial; default: bind_host (or the node IP for 0.0.0.0)."
-    )
-    port_range: tuple[int, int] = Field((47000, 47999), description="Ports KV servers may bind.")
-    secret: str | None = Field(None, description="Shared secret; prefer secret_file.")
-    secret_file: str | None = Field(None, description="File holding the shared secret.")
-    failure_policy: Literal["recompute", "fail"] = Field(
-        "recompute", description="What decode does when a pull fails: recompute, or fail the request."
-    )
-    lease_seconds: float = Field(30, gt=0, description="Prefill frees unclaimed KV after this long.")
-    pull_timeout_seconds: float = Field(30, gt=0, description="Deadline of one KV pull.")
-    max_chunk_bytes: int = Field(4 << 20, ge=4096, description="Largest KV message.")
-    pull_threads: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
-    fault_injection: FaultInjection = Field(default_factory=FaultInjection, description="Tests/drills.")
-
-    @model_validator(mode="after")
-    def _ports_and_secret(self) -> KVTransferSection:
-        lo, hi = self.port_range
-        if not (1024 <= lo <= hi <= 65535):
-            raise ValueError(f"port_range: need 1024 ≤ low ≤ high ≤ 65535, got [{lo}, {hi}]")
-        if self.secret and self.secret_file:
-            raise ValueError("set either secret or secret_file, not both")
-        return self
-
-    def resolve_secret(self, base_dir: Path) -> str | None:
-        if self.secret:
-            return self.secret
-        if self.secret_file:
-            path = Path(self.secret_file)
-            path = path if path.is_absolute() else base_dir / path
-            try:
-                value = path.read_text().strip()
-            except OSError as exc:
-                raise ConfigError(f"kv_transfer.secret_file: {exc}") from exc
-            if not value:
-                raise ConfigError(f"kv_transfer.secret_file: {path} is empty")
-            return value
-        return None
 
 
 class SpeculativeSection(_Model):
@@ -252,7 +193,7 @@ class ClusterConfig(_Model):
         "disaggregated", description="disaggregated: prefill -> decode; aggregated: each replica does both."
     )
     roles: Roles = Field(default_factory=Roles, description="Replica pools.")
-    kv_transfer: KVTransferSection = Field(default_factory=KVTransferSection, description="KV handoff.")
+    kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings, description="KV handoff.")
     speculative: SpeculativeSection | None = Field(None, description="MTP speculative decoding (both roles).")
     router: RouterSection = Field(default_factory=RouterSection, description="HTTP endpoint.")
     ray: RaySection = Field(default_factory=RaySection, description="Where the actors run.")
@@ -313,14 +254,18 @@ def _format_error(err: dict[str, Any]) -> str:
     return f"{loc}: {message}" if loc else message
 
 
+def format_errors(exc: ValidationError) -> list[str]:
+    """A pydantic error as lines naming the YAML path of each offending key."""
+    return [_format_error(e) for e in exc.errors(include_url=False)]
+
+
 def validate_config(data: Any, source: str = "config") -> ClusterConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
-        errors = [_format_error(e) for e in exc.errors(include_url=False)]
-        raise ConfigError(f"{source}: " + "; ".join(errors)) from None
+        raise ConfigError(f"{source}: " + "; ".join(format_errors(exc))) from None
 
 
 def load_config(path: str | Path) -> ClusterConfig:
@@ -378,4 +323,3 @@ def new_secret() -> str:
 
 def json_schema() -> dict[str, Any]:
     return ClusterConfig.model_json_schema()
-

@@ -64,7 +64,8 @@ class EngineActor:
         self._start_lock = asyncio.Lock()
 
     def _node_kv_settings(self, kv: dict[str, Any], secret: str | None) -> dict[str, Any]:
-        """Node-local parts of the KV settings: the secret file, the address peers dial."""
+        """Node-local parts of the KV settings (KVTransferSettings fields): the secret file,
+        the address peers dial."""
         if secret is not None:
             fd, path = tempfile.mkstemp(prefix="pdcluster-kv-", suffix=".secret")
             with os.fdopen(fd, "w") as f:

@@ -32,9 +32,8 @@ class EngineSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     speculative: dict[str, Any] | None = None
     async_scheduling: bool | None = None
-    # kv_connector_extra_config (see kv_transfer/settings.py); None for aggregated engines
+    # kv_connector_extra_config: KVTransferSettings.connector_config(); None for aggregated engines
     kv_extra: dict[str, Any] | None = None
-    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     http_host: str = "127.0.0.1"
     http_port: int = 0
     http_advertise_host: str | None = None  # set when http_host is a wildcard
@@ -59,7 +58,8 @@ class EngineSpec:
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
             "engine_id": self.engine_id,
-            "kv_load_failure_policy": self.kv_load_failure_policy,
+            # vLLM's own knob, from the one KV settings model (kv_transfer.failure_policy)
+            "kv_load_failure_policy": self.kv_extra.get("failure_policy", "recompute"),
             "kv_connector_extra_config": self.kv_extra,
         }
 
@@ -93,7 +93,12 @@ class EngineSpec:
         return kwargs
 
     def env(self) -> dict[str, str]:
+        from pdcluster.compat import ENGINE_MARKER_ENV
+
         env = dict(self.extra_env)
+        # Marks the engine's processes (vLLM's engine core and workers inherit it) as pdcluster's:
+        # our vLLM plugin applies its process-level fixes only where it is set (vllm_plugin.py).
+        env[ENGINE_MARKER_ENV] = "1"
         if self.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads_bind
         if self.kv_cache_gib is not None:

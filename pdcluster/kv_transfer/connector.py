@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from pdcluster.kv_transfer.metadata import PDConnectorMetadata
 from pdcluster.kv_transfer.scheduler import ConnectorScheduler
-from pdcluster.kv_transfer.settings import ConnectorSettings
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.stats import PDTransferStats
 from pdcluster.kv_transfer.worker import ConnectorWorker
 from pdcluster.vllm_plugin import request_amx_permission
@@ -57,7 +57,7 @@ class PDConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None
-        self.settings = ConnectorSettings.from_extra_config(kv_config.kv_connector_extra_config)
+        self.settings = KVTransferSettings.from_connector_config(kv_config.kv_connector_extra_config)
         self.engine_id = str(kv_config.engine_id)
         is_producer = bool(kv_config.is_kv_producer)
         is_consumer = bool(kv_config.is_kv_consumer)
@@ -81,7 +81,7 @@ class PDConnector(KVConnectorBase_V1):
             self.connector_worker = ConnectorWorker(
                 self.settings,
                 self.engine_id,
-                model=self.settings.model_id or vllm_config.model_config.model,
+                model=vllm_config.model_config.served_model_name,
                 block_size=vllm_config.cache_config.block_size,
                 num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else None,
                 tp_size=parallel.tensor_parallel_size,
@@ -132,9 +132,7 @@ class PDConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.connector_worker is not None
         sending, recving, failed = self.connector_worker.get_finished()
-        return KVConnectorTransferResults(
-            finished_sending=sending, finished_recving=recving, failed_recving=failed
-        )
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -165,15 +163,11 @@ class PDConnector(KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         self.connector_scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.connector_scheduler is not None
         self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -181,8 +175,6 @@ class PDConnector(KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)

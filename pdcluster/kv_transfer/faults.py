@@ -9,51 +9,18 @@ from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass, field
-from typing import Any
 
-from pdcluster.errors import ConfigError, InjectedFaultError
+from pdcluster.errors import InjectedFaultError
+from pdcluster.kv_transfer.settings import FaultInjection
 
 
-@dataclass
 class FaultInjector:
-    pull_failure_rate: float = 0.0  # consumer: fail a pull after its first chunk is written
-    drop_release_rate: float = 0.0  # consumer: never tell the producer (lease expiry must free)
-    pull_delay_s: float = 0.0  # consumer: stall before pulling
-    serve_delay_s: float = 0.0  # producer: stall before streaming (consumer pull timeouts) ...
-    serve_delay_rate: float = 1.0  # ... for this share of pulls
-    unreachable_rate: float = 0.0  # consumer: dial a closed port instead of the producer
-    seed: int = 0
-    _rng: random.Random = field(default_factory=random.Random, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """The dice of one process, rolled with the validated `FaultInjection` settings."""
 
-    def __post_init__(self) -> None:
-        for name in ("pull_failure_rate", "drop_release_rate", "unreachable_rate", "serve_delay_rate"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"kv_transfer.fault_injection.{name}: must be in [0, 1], got {value}")
-        for name in ("pull_delay_s", "serve_delay_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"kv_transfer.fault_injection.{name}: must be ≥ 0")
-        self._rng.seed(self.seed)
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> FaultInjector:
-        allowed = {
-            "pull_failure_rate", "drop_release_rate", "pull_delay_s", "serve_delay_s", "serve_delay_rate",
-            "unreachable_rate", "seed",
-        }
-        unknown = sorted(set(cfg) - allowed)
-        if unknown:
-            raise ConfigError(f"kv_transfer.fault_injection: unknown keys {unknown}")
-        return cls(**cfg)
-
-    @property
-    def active(self) -> bool:
-        return bool(
-            self.pull_failure_rate or self.drop_release_rate or self.pull_delay_s or self.serve_delay_s
-            or self.unreachable_rate
-        )
+    def __init__(self, config: FaultInjection | None = None):
+        self.config = config or FaultInjection()
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
 
     def _roll(self, rate: float) -> bool:
         if rate <= 0.0:
@@ -62,16 +29,16 @@ class FaultInjector:
             return self._rng.random() < rate
 
     def should_fail_pull(self) -> bool:
-        return self._roll(self.pull_failure_rate)
+        return self._roll(self.config.pull_failure_rate)
 
     def should_stall_serving(self) -> bool:
-        return bool(self.serve_delay_s) and self._roll(self.serve_delay_rate)
+        return bool(self.config.serve_delay_s) and self._roll(self.config.serve_delay_rate)
 
     def should_dial_unreachable(self) -> bool:
-        return self._roll(self.unreachable_rate)
+        return self._roll(self.config.unreachable_rate)
 
     def should_drop_release(self) -> bool:
-        return self._roll(self.drop_release_rate)
+        return self._roll(self.config.drop_release_rate)
 
     def failure(self, request_id: str) -> InjectedFaultError:
         return InjectedFaultError(f"injected KV pull failure for request {request_id}")

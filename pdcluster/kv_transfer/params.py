@@ -1,25 +1,92 @@
-"""Keys of `kv_transfer_params`, the dict that travels between prefill, router and decode.
+"""`kv_transfer_params`, typed: what travels between prefill, router and decode for one request.
 
-Free of vLLM imports so that the router (which never loads vLLM) can read the params too.
+vLLM carries this dict opaquely: the router asks a prefill for a remote decode (`ASK_PREFILL`), the
+producer's connector answers with a `KVParams` of the lease it holds, and the router hands that
+dict to the decode request, whose connector reads it back (`KVParams.from_dict`). Key names
+follow vLLM's NIXL conventions where one exists. Only what is specific to the request travels:
+what is static per producer engine (node identity, cache device, offered backends, layout) comes
+from the producer's KV server in the handshake (transports/base.py, `ProducerInfo`).
+
+Free of vLLM imports so that the router (which never loads vLLM) uses the same type.
 """
 
-# The first group follows vLLM's NIXL conventions so existing proxies understand them; the rest
-# are ours.
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
-REMOTE_ENGINE_ID = "remote_engine_id"
-REMOTE_REQUEST_ID = "remote_request_id"
-REMOTE_HOST = "remote_host"
-REMOTE_PORT = "remote_port"
-REMOTE_BLOCK_IDS = "remote_block_ids"
-REMOTE_NUM_TOKENS = "remote_num_tokens"
-REMOTE_ENDPOINTS = "remote_endpoints"  # one "host:port" per tensor-parallel rank
-REMOTE_LEASE_EXPIRY = "remote_lease_expiry"  # unix time after which P frees the blocks
-TRANSPORT = "transport"  # the producer's configured kv_transfer.backend
-KV_BACKENDS = "kv_backends"  # the backends the producer's KV server offers
-KV_NODE = "kv_node"  # the producer's node identity (transports/selection.py)
-KV_DEVICE = "kv_device"  # the producer's KV cache device kind: cpu | cuda | npu
-PROTOCOL = "kv_protocol_version"
-# Internal markers (never sent by clients).
-_PULL_PLANNED = "_pdcluster_pull_planned"
-_P_TRUNCATED = "_pdcluster_prefill_truncated"
+
+# What the router sends a prefill: compute the prompt, keep its KV for a decode elsewhere.
+ASK_PREFILL: dict[str, Any] = {DO_REMOTE_DECODE: True}
+
+# Connector-private marks in a request's own params dict (never sent by clients or the router).
+PULL_PLANNED = "_pdcluster_pull_planned"  # consumer: the pull (or release) is on its way
+PREFILL_TRUNCATED = "_pdcluster_prefill_truncated"  # producer: MTP back-off applied
+
+
+@dataclass(frozen=True)
+class KVParams:
+    """A producer's lease on one request's KV blocks, as the consumer needs it."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_endpoints: tuple[str, ...]  # "host:port" of the producer's KV server, per TP rank
+    remote_block_ids: tuple[int, ...]  # the leased blocks, in token order
+    remote_num_tokens: int  # prompt tokens the producer computed (fewer with MTP back-off)
+    remote_lease_expiry: float  # unix time after which the producer frees the blocks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            DO_REMOTE_PREFILL: True,
+            DO_REMOTE_DECODE: False,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_request_id": self.remote_request_id,
+            "remote_endpoints": list(self.remote_endpoints),
+            "remote_block_ids": list(self.remote_block_ids),
+            "remote_num_tokens": self.remote_num_tokens,
+            "remote_lease_expiry": self.remote_lease_expiry,
+        }
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> KVParams:
+        """Raise ValueError naming the bad key when the params cannot be used."""
+        if not isinstance(params, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        try:
+            endpoints = params["remote_endpoints"]
+            blocks = params["remote_block_ids"]
+            if not isinstance(endpoints, list) or not endpoints or not isinstance(blocks, list):
+                raise ValueError("remote_endpoints and remote_block_ids must be non-empty lists")
+            out = cls(
+                remote_engine_id=str(params["remote_engine_id"]),
+                remote_request_id=str(params["remote_request_id"]),
+                remote_endpoints=tuple(str(e) for e in endpoints),
+                remote_block_ids=tuple(_int(b) for b in blocks),
+                remote_num_tokens=_int(params["remote_num_tokens"]),
+                remote_lease_expiry=float(params["remote_lease_expiry"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"kv_transfer_params lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"kv_transfer_params malformed: {exc}") from None
+        if out.remote_num_tokens < 0 or any(b < 0 for b in out.remote_block_ids):
+            raise ValueError("kv_transfer_params malformed: negative token count or block id")
+        return out
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    """A prefill request: keep the KV for a consumer (the router's ASK_PREFILL)."""
+    return bool(params) and bool(params.get(DO_REMOTE_DECODE))
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    """A decode request carrying a producer's lease."""
+    return bool(params) and bool(params.get(DO_REMOTE_PREFILL))
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an integer")
+    return value

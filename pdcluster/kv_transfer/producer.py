@@ -52,9 +52,7 @@ class KVProducer:
     def handshake(self, remote_version: int, remote_layout: KVLayout) -> None:
         """Raise HandshakeError (naming both sides) unless the consumer can read our blocks."""
         check_protocol_version(remote_version, remote_role="decode (consumer)")
-        compare_layouts(
-            self.layout, remote_layout, local_role="prefill (producer)", remote_role="decode (consumer)"
-        )
+        compare_layouts(self.layout, remote_layout, local_role="prefill (producer)", remote_role="decode (consumer)")
 
     def stream(
         self,
@@ -94,7 +92,7 @@ class KVProducer:
             )
         self.cache.check_block_ids(block_ids)
         if self.faults.should_stall_serving():
-            time.sleep(self.faults.serve_delay_s)  # injected fault: a stalled producer
+            time.sleep(self.faults.config.serve_delay_s)  # injected fault: a stalled producer
         lease = self.leases.acquire(request_id, block_ids, self.lease_wait_s)
         started = time.perf_counter()
         try:
@@ -102,9 +100,7 @@ class KVProducer:
         finally:
             self.leases.end_pull(lease)
             self.pulls_served += 1
-            logger.debug(
-                "served %s in %.1f ms", request_id, (time.perf_counter() - started) * 1e3
-            )
+            logger.debug("served %s in %.1f ms", request_id, (time.perf_counter() - started) * 1e3)
 
     def release(self, request_id: str, transferred: bool) -> bool:
         return self.leases.release(request_id, transferred)

@@ -16,7 +16,6 @@ from pdcluster.errors import HandshakeError
 
 PROTOCOL_VERSION = 1
 SECRET_METADATA_KEY = "x-pdcluster-kv-secret"
-DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,18 @@ class KVLayout:
 
     def bytes_per_block(self) -> int:
         return sum(spec.block_bytes for spec in self.layers)
+
+
+@dataclass(frozen=True)
+class ProducerInfo:
+    """What a producer's KV server says of itself in the handshake: its engine, its layout, and
+    what the consumer needs to pick a data path (static per engine, so never per request)."""
+
+    engine_id: str
+    layout: KVLayout
+    node_id: str = ""  # transports/selection.py node_id()
+    device_kind: str = ""  # the KV cache's device: cpu | cuda | npu
+    offers: tuple[str, ...] = ()  # backends the server serves
 
 
 _DTYPE_SIZES = {
@@ -79,9 +90,7 @@ def compare_layouts(local: KVLayout, remote: KVLayout, *, local_role: str, remot
     """Raise HandshakeError naming both sides' values at the first incompatibility."""
 
     def refuse(what: str, mine: object, theirs: object) -> None:
-        raise HandshakeError(
-            f"KV layout mismatch on {what}: {local_role} has {mine!r}, {remote_role} has {theirs!r}"
-        )
+        raise HandshakeError(f"KV layout mismatch on {what}: {local_role} has {mine!r}, {remote_role} has {theirs!r}")
 
     if local.model != remote.model:
         refuse("model", local.model, remote.model)
@@ -109,6 +118,5 @@ def compare_layouts(local: KVLayout, remote: KVLayout, *, local_role: str, remot
 def check_protocol_version(remote_version: int, *, remote_role: str) -> None:
     if remote_version != PROTOCOL_VERSION:
         raise HandshakeError(
-            f"KV protocol version mismatch: this side speaks {PROTOCOL_VERSION}, "
-            f"{remote_role} speaks {remote_version}"
+            f"KV protocol version mismatch: this side speaks {PROTOCOL_VERSION}, {remote_role} speaks {remote_version}"
         )

@@ -1,13 +1,15 @@
 """Scheduler half of the connector (runs in the engine core, beside vLLM's scheduler).
 
-Producer (prefill engine), per request with `do_remote_decode`:
+Producer (prefill engine), per request asking for a remote decode (params.ASK_PREFILL):
   on_new_request      trims MTP's prefill backoff off the prompt (the consumer recomputes it)
   request_finished    keeps the blocks (returns True), announces a lease to the worker, and returns
-                      the params a consumer needs: engine id, endpoints, block ids, token count,
-                      lease expiry
-Consumer (decode engine), per request with `do_remote_prefill`:
-  get_num_new_matched_tokens   the prefilled tokens, loadable asynchronously
-  update_state_after_alloc     plans the pull: producer blocks -> the freshly allocated blocks
+                      the request's `KVParams`: engine id, endpoints, block ids, token count, expiry
+Consumer (decode engine), per request carrying a producer's `KVParams`:
+  get_num_new_matched_tokens   the prefilled tokens beyond the local prefix-cache hit, loadable
+                               asynchronously (no side effects: vLLM may ask again)
+  update_state_after_alloc     plans the pull: the producer's blocks after the local hit -> the
+                               request's newly allocated blocks (the hit is read off the blocks,
+                               as vLLM's NIXL connector does)
   request_finished             a request dropped before its pull still releases P's lease
 `build_connector_meta` hands the step's leases, pulls and releases to the worker half.
 """
@@ -18,17 +20,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdcluster.kv_transfer import metadata as md
+from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
     PDConnectorMetadata,
     PDHandshakeMetadata,
     PullSpec,
     ReleaseSpec,
-    RemotePrefill,
 )
-from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
-from pdcluster.kv_transfer.settings import ConnectorSettings
+from pdcluster.kv_transfer.params import KVParams
+from pdcluster.kv_transfer.settings import KVTransferSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,11 +43,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def local_hit_blocks(blocks: KVCacheBlocks) -> tuple[list[int], int]:
+    """The request's block ids in token order and how many of the leading ones its local prefix
+    cache supplied: those are hashed, the freshly allocated ones are not yet (vLLM delays
+    caching the blocks of an asynchronous load). One KV cache group: unpacking raises on more."""
+    (group,) = blocks.blocks
+    cached = 0
+    for block in group:
+        if block.block_hash is None or block.is_null:
+            break
+        cached += 1
+    return [block.block_id for block in group], cached
+
+
 class ConnectorScheduler:
     def __init__(
         self,
         vllm_config: VllmConfig,
-        settings: ConnectorSettings,
+        settings: KVTransferSettings,
         engine_id: str,
         *,
         is_producer: bool,
@@ -63,11 +77,7 @@ class ConnectorScheduler:
         # anyway) so D's draft-layer KV never holds unverified drafts (vLLM's NIXL does the same).
         self.prefill_backoff = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
         self.endpoints: list[str | None] = [None] * self.tp_size
-        self.server_info: PDHandshakeMetadata | None = None  # rank 0's offers, node, device
         self._meta = PDConnectorMetadata()
-        # consumer: request id -> tokens its local prefix cache already holds (asked, not yet
-        # allocated); vLLM updates request.num_computed_tokens only after the allocation
-        self._local_hits: dict[str, int] = {}
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -75,8 +85,6 @@ class ConnectorScheduler:
         for tp_rank, meta in metadata.items():
             if isinstance(meta, PDHandshakeMetadata) and 0 <= tp_rank < self.tp_size:
                 self.endpoints[tp_rank] = meta.endpoint
-                if tp_rank == 0:
-                    self.server_info = meta
         if self.is_producer:
             logger.info("KV endpoints of engine %s: %s", self.engine_id, self.endpoints)
 
@@ -84,24 +92,23 @@ class ConnectorScheduler:
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
-        if self.is_producer and params and params.get(md.DO_REMOTE_DECODE):
+        if self.is_producer and kvp.wants_remote_decode(params):
             self._truncate_for_prefill(request, params)
 
     def _truncate_for_prefill(self, request: Request, params: dict[str, Any]) -> None:
         backoff = self.prefill_backoff
         if (
             not backoff
-            or params.get(md._P_TRUNCATED)
+            or params.get(kvp.PREFILL_TRUNCATED)
             or request.num_prompt_tokens <= backoff
             or request.prompt_token_ids is None
             or request.get_skip_reading_prefix_cache()
         ):
             return
-        del request.prompt_token_ids[-backoff:]
-        del request._all_token_ids[-backoff:]
-        request.num_prompt_tokens -= backoff
-        request.max_tokens = 1
-        params[md._P_TRUNCATED] = True
+        from pdcluster.compat import truncate_prompt  # Request has no API to be shortened
+
+        truncate_prompt(request, backoff)
+        params[kvp.PREFILL_TRUNCATED] = True
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
         meta, self._meta = self._meta, PDConnectorMetadata()
@@ -109,111 +116,93 @@ class ConnectorScheduler:
 
     # -- consumer --------------------------------------------------------------------------
 
-    def _remote_prefill(self, request: Request) -> RemotePrefill | None:
+    def _lease(self, request: Request) -> KVParams | None:
+        """The producer's lease this consumer request still has to pull or release, if any."""
         params = request.kv_transfer_params
-        if not (self.is_consumer and params and params.get(md.DO_REMOTE_PREFILL)):
-            return None
-        if params.get(md._PULL_PLANNED):
+        if not (self.is_consumer and kvp.wants_remote_prefill(params)) or params.get(kvp.PULL_PLANNED):
             return None
         try:
-            return RemotePrefill.from_params(params)
-        except ValueError as exc:
-            logger.warning("request %s: %s; computing its prompt locally", request.request_id, exc)
-            params[md._PULL_PLANNED] = True
-            return None
+            return KVParams.from_dict(params)
+        except ValueError:
+            return None  # update_state_after_alloc says why, once
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        remote = self._remote_prefill(request)
-        if remote is None:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        lease = self._lease(request)
+        if lease is None:
             return 0, False
-        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
-        self._local_hits[request.request_id] = num_computed_tokens
-        if count > 0:
-            return count, True
-        return 0, False
+        count = min(lease.remote_num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        remote = self._remote_prefill(request)
-        if remote is None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        lease = self._lease(request)
+        if lease is None:
+            if self.is_consumer and kvp.wants_remote_prefill(params) and not params.get(kvp.PULL_PLANNED):
+                try:
+                    KVParams.from_dict(params)
+                except ValueError as exc:
+                    logger.warning("request %s: %s; computing its prompt locally", request.request_id, exc)
+                params[kvp.PULL_PLANNED] = True
             return
-        request.kv_transfer_params[md._PULL_PLANNED] = True
-        local_hit = self._local_hits.pop(request.request_id, 0)  # block-aligned (vLLM asks so)
+        params[kvp.PULL_PLANNED] = True
         if num_external_tokens <= 0:
             # Everything was in the local prefix cache: P's blocks are not needed.
-            self._meta.releases.append(ReleaseSpec(remote, "local prefix cache hit"))
+            self._meta.releases.append(ReleaseSpec(lease, "local prefix cache hit"))
             return
-        num_cached = local_hit // self.block_size
-        total = cdiv(local_hit + num_external_tokens, self.block_size)
-        # The request's blocks in token order: its local prefix-cache hits, then the new ones
-        # (one KV cache group: unpacking raises on more, as get_unhashed_block_ids asserted).
-        (group,) = blocks.get_block_ids()
-        local = group[num_cached:total]
-        remote_ids = remote.block_ids[num_cached:total]
-        if len(local) != len(remote_ids) or len(remote_ids) != total - num_cached:
+        block_ids, num_cached = local_hit_blocks(blocks)
+        total = cdiv(num_cached * self.block_size + num_external_tokens, self.block_size)
+        local = block_ids[num_cached:total]
+        remote = lease.remote_block_ids[num_cached:total]
+        if len(local) != len(remote) or len(remote) != total - num_cached:
             logger.error(
                 "request %s: cannot map %d producer blocks onto %d local blocks; "
                 "the pull will fail and follow the load-failure policy",
-                request.request_id, len(remote_ids), len(local),
+                request.request_id,
+                len(remote),
+                len(local),
             )
-        self._meta.pulls.append(
-            PullSpec(request.request_id, remote, tuple(remote_ids), tuple(local))
-        )
+        self._meta.pulls.append(PullSpec(request.request_id, lease, tuple(remote), tuple(local)))
 
     # -- producer (and consumer cleanup) -----------------------------------------------------
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        self._local_hits.pop(request.request_id, None)
         if not params:
             return False, None
-        if self.is_consumer and params.get(md.DO_REMOTE_PREFILL) and not params.get(
-            md._PULL_PLANNED
-        ):
+        if self.is_consumer and kvp.wants_remote_prefill(params) and not params.get(kvp.PULL_PLANNED):
             # Dropped before its blocks were allocated (abort, rejection): free P's blocks now
             # instead of leaving them to the lease timeout.
-            params[md._PULL_PLANNED] = True
+            params[kvp.PULL_PLANNED] = True
             try:
-                remote = RemotePrefill.from_params(params)
+                lease = KVParams.from_dict(params)
             except ValueError:
                 return False, None
-            self._meta.releases.append(ReleaseSpec(remote, f"request {request.status.name}"))
+            self._meta.releases.append(ReleaseSpec(lease, f"request {request.status.name}"))
             return False, None
-        if not (self.is_producer and params.get(md.DO_REMOTE_DECODE)):
+        if not (self.is_producer and kvp.wants_remote_decode(params)):
             return False, None
-        if request.status not in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        ) or not block_ids:
+        if (
+            request.status
+            not in (
+                RequestStatus.FINISHED_LENGTH_CAPPED,
+                RequestStatus.FINISHED_STOPPED,
+            )
+            or not block_ids
+        ):
             return False, None
         if None in self.endpoints:
             logger.error("no KV endpoint known for engine %s; freeing blocks", self.engine_id)
             return False, None
-        expiry = time.time() + self.settings.lease_s
+        expiry = time.time() + self.settings.lease_seconds
         self._meta.new_leases.append(LeaseSpec(request.request_id, tuple(block_ids), expiry))
-        first_host, _, first_port = str(self.endpoints[0]).rpartition(":")
-        return True, {
-            md.DO_REMOTE_PREFILL: True,
-            md.DO_REMOTE_DECODE: False,
-            md.REMOTE_ENGINE_ID: self.engine_id,
-            md.REMOTE_REQUEST_ID: request.request_id,
-            md.REMOTE_HOST: first_host,
-            md.REMOTE_PORT: int(first_port),
-            md.REMOTE_ENDPOINTS: list(self.endpoints),
-            md.REMOTE_BLOCK_IDS: list(block_ids),
-            md.REMOTE_NUM_TOKENS: request.num_computed_tokens,
-            md.REMOTE_LEASE_EXPIRY: expiry,
-            md.TRANSPORT: self.settings.transport,
-            md.KV_BACKENDS: list(self.server_info.offers) if self.server_info else [],
-            md.KV_NODE: self.server_info.node_id if self.server_info else "",
-            md.KV_DEVICE: self.server_info.device_kind if self.server_info else "",
-            md.PROTOCOL: PROTOCOL_VERSION,
-            "tp_size": self.tp_size,
-        }
+        lease = KVParams(
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_endpoints=tuple(str(e) for e in self.endpoints),
+            remote_block_ids=tuple(block_ids),
+            remote_num_tokens=request.num_computed_tokens,
+            remote_lease_expiry=expiry,
+        )
+        return True, lease.to_dict()

@@ -1,72 +1,142 @@
-"""Typed view of the connector's `kv_connector_extra_config` (what the cluster config passes).
+"""The KV handoff's settings: one pydantic model, declared once, used everywhere.
 
-The engine actor fills these keys from the cluster YAML's `kv_transfer` section; the secret is
-passed as a file path, never inline, so it does not appear in vLLM's logged engine config.
+`KVTransferSettings` is the cluster YAML's `kv_transfer` section (config.py embeds it), what the
+controller hands each engine as vLLM's `kv_connector_extra_config` (`connector_config`), what the
+connector reads back there (`from_connector_config`), and what transports run with. Free of vLLM
+imports, so the CLI and the router can load it.
+
+The secret never travels inline to an engine: the engine actor writes it to a private file on its
+node and the connector config names that file (vLLM logs its engine config). In memory it is a
+`SecretStr`, so a repr or a log line of the settings shows `**********`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from pdcluster.errors import ConfigError
-from pdcluster.kv_transfer.faults import FaultInjector
-from pdcluster.kv_transfer.protocol import DEFAULT_CHUNK_BYTES
+
+Backend = Literal["auto", "grpc", "shm", "collective"]
+BACKENDS: tuple[str, ...] = ("auto", "grpc", "shm", "collective")
+EPHEMERAL_PORTS = (0, 0)
+MAX_CHUNK_LIMIT = 256 << 20  # gRPC messages carry a chunk; grpcio refuses sizes near 2 GiB
 
 
-@dataclass(frozen=True)
-class ConnectorSettings:
-    transport: str = "grpc"
-    bind_host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    port_range: tuple[int, int] = (0, 0)  # (0, 0): an ephemeral port
-    secret: str = ""
-    lease_s: float = 30.0
-    pull_timeout_s: float = 30.0
-    release_timeout_s: float = 5.0
-    lease_wait_s: float = 10.0
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    pull_threads: int = 4
-    model_id: str = ""
-    faults: FaultInjector = field(default_factory=FaultInjector)
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FaultInjection(_Section):
+    """Faults for tests and drills; every rate defaults to 0 (1.0: the fault is certain)."""
+
+    pull_failure_rate: float = Field(
+        0.0, ge=0, le=1, description="Fail this share of KV pulls (after their first chunk)."
+    )
+    drop_release_rate: float = Field(0.0, ge=0, le=1, description="Never release this share of leases.")
+    pull_delay_s: float = Field(0.0, ge=0, description="Decode: stall each pull this long.")
+    serve_delay_s: float = Field(0.0, ge=0, description="Prefill: stall before serving a pull (pull timeouts) ...")
+    serve_delay_rate: float = Field(1.0, ge=0, le=1, description="... for this share of pulls.")
+    unreachable_rate: float = Field(0.0, ge=0, le=1, description="Decode: dial a closed port instead of the prefill.")
+    seed: int = Field(0, description="Seed of the fault dice.")
+
+    @property
+    def active(self) -> bool:
+        return bool(
+            self.pull_failure_rate
+            or self.drop_release_rate
+            or self.pull_delay_s
+            or self.serve_delay_s
+            or self.unreachable_rate
+        )
+
+
+class KVTransferSettings(_Section):
+    backend: Backend = Field(
+        "auto",
+        description="KV transport: auto (shm on one node, collective between same-kind "
+        "accelerators, else grpc), or force grpc, shm (same node) or collective "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA, HCCL on Ascend).",
+    )
+    bind_host: str = Field("127.0.0.1", description="Address KV servers bind to.")
+    advertise_host: str | None = Field(
+        None, description="Address decode engines dial; default: bind_host (or the node IP for 0.0.0.0)."
+    )
+    port_range: tuple[int, int] = Field(
+        (47000, 47999), description="Ports KV servers may bind ([0, 0]: any free port)."
+    )
+    secret: SecretStr | None = Field(None, description="Shared secret; prefer secret_file.")
+    secret_file: str | None = Field(None, description="File holding the shared secret.")
+    failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="What decode does when a pull fails: recompute, or fail the request."
+    )
+    lease_seconds: float = Field(30, gt=0, description="Prefill frees unclaimed KV after this long.")
+    pull_timeout_seconds: float = Field(30, gt=0, description="Deadline of one KV pull.")
+    release_timeout_seconds: float = Field(5, gt=0, description="Deadline of one lease release message.")
+    lease_wait_seconds: float = Field(
+        10, ge=0, description="Prefill: how long a pull may wait for its lease to be registered."
+    )
+    connect_timeout_seconds: float = Field(5, gt=0, description="Deadline of connecting to a KV server.")
+    max_chunk_bytes: int = Field(4 << 20, ge=4096, le=MAX_CHUNK_LIMIT, description="Largest KV message.")
+    pull_threads: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
+    server_threads: int = Field(8, ge=1, le=256, description="Threads of each prefill's KV server.")
+    fault_injection: FaultInjection = Field(default_factory=FaultInjection, description="Tests/drills.")
+
+    @model_validator(mode="after")
+    def _ports_and_secret(self) -> KVTransferSettings:
+        lo, hi = self.port_range
+        if (lo, hi) != EPHEMERAL_PORTS and not (1024 <= lo <= hi <= 65535):
+            raise ValueError(f"port_range: need 1024 ≤ low ≤ high ≤ 65535 (or [0, 0]), got [{lo}, {hi}]")
+        if self.secret and self.secret_file:
+            raise ValueError("set either secret or secret_file, not both")
+        return self
 
     @property
     def host_for_peers(self) -> str:
         return self.advertise_host or self.bind_host
 
+    def resolve_secret(self, base_dir: Path) -> str | None:
+        """The secret value (inline, or read from secret_file relative to base_dir); None: unset."""
+        if self.secret:
+            return self.secret.get_secret_value()
+        if self.secret_file:
+            path = Path(self.secret_file)
+            path = path if path.is_absolute() else base_dir / path
+            try:
+                value = path.read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"kv_transfer.secret_file: {exc}") from exc
+            if not value:
+                raise ConfigError(f"kv_transfer.secret_file: {path} is empty")
+            return value
+        return None
+
+    def secret_value(self) -> str:
+        """The secret a running transport presents and checks (set by from_connector_config)."""
+        if self.secret is None:
+            raise ConfigError("kv_transfer: no secret resolved for this KV endpoint")
+        return self.secret.get_secret_value()
+
+    def connector_config(self, secret_file: str | None = None) -> dict[str, Any]:
+        """vLLM's `kv_connector_extra_config` for an engine: these settings without the secret
+        itself (`secret_file` names the node-local file that holds it)."""
+        out = self.model_dump(mode="json", exclude={"secret", "secret_file"})
+        if secret_file is not None:
+            out["secret_file"] = secret_file
+        return out
+
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {
-            "transport", "bind_host", "advertise_host", "port_range", "secret_file", "lease_s",
-            "pull_timeout_s", "release_timeout_s", "lease_wait_s", "max_chunk_bytes",
-            "pull_threads", "model_id", "fault_injection",
-        }
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}")
-        secret_file = extra.get("secret_file")
-        if not secret_file:
+    def from_connector_config(cls, extra: dict[str, Any]) -> KVTransferSettings:
+        """The connector's view: validated, with the secret read from `secret_file`."""
+        if not extra.get("secret_file"):
             raise ConfigError("kv_connector_extra_config.secret_file is required")
         try:
-            secret = Path(secret_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"kv_connector_extra_config.secret_file: {exc}") from exc
-        if not secret:
-            raise ConfigError(f"kv_connector_extra_config.secret_file {secret_file} is empty")
-        lo, hi = extra.get("port_range", (0, 0))
-        return cls(
-            transport=extra.get("transport", "grpc"),
-            bind_host=extra.get("bind_host", "127.0.0.1"),
-            advertise_host=extra.get("advertise_host"),
-            port_range=(int(lo), int(hi)),
-            secret=secret,
-            lease_s=float(extra.get("lease_s", 30.0)),
-            pull_timeout_s=float(extra.get("pull_timeout_s", 30.0)),
-            release_timeout_s=float(extra.get("release_timeout_s", 5.0)),
-            lease_wait_s=float(extra.get("lease_wait_s", 10.0)),
-            max_chunk_bytes=int(extra.get("max_chunk_bytes", DEFAULT_CHUNK_BYTES)),
-            pull_threads=int(extra.get("pull_threads", 4)),
-            model_id=str(extra.get("model_id", "")),
-            faults=FaultInjector.from_config(extra.get("fault_injection") or {}),
-        )
+            settings = cls.model_validate(extra)
+        except ValidationError as exc:
+            from pdcluster.config import format_errors
+
+            raise ConfigError("kv_connector_extra_config: " + "; ".join(format_errors(exc))) from None
+        value = settings.resolve_secret(Path("/"))
+        return settings.model_copy(update={"secret": SecretStr(value or ""), "secret_file": None})

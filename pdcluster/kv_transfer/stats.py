@@ -22,9 +22,8 @@ COUNTERS = (
 )
 
 
-FAILURES = "failures"  # consumer request id -> why its pull failed (for the router's error)
 BACKENDS = "backends"  # producer engine id -> the KV backend this consumer uses with it
-_MAPS = (FAILURES, BACKENDS)
+_MAPS = (BACKENDS,)
 
 
 @dataclass
@@ -37,9 +36,6 @@ class PDTransferStats(KVConnectorStats):
 
     def add(self, key: str, value: float = 1) -> None:
         self.data[key] += value
-
-    def add_failure(self, request_id: str, reason: str) -> None:
-        self.data[FAILURES][request_id] = reason
 
     def set_backend(self, producer_engine_id: str, backend: str) -> None:
         self.data[BACKENDS][producer_engine_id] = backend

@@ -25,25 +25,27 @@ from typing import Any
 import torch
 
 from pdcluster.errors import KVTransferError
+from pdcluster.kv_transfer.failures import report_failure
+from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import PagedKVCache
 from pdcluster.kv_transfer.metadata import (
     PDConnectorMetadata,
     PDHandshakeMetadata,
     PullSpec,
     ReleaseSpec,
-    RemotePrefill,
 )
+from pdcluster.kv_transfer.params import KVParams
 from pdcluster.kv_transfer.producer import KVProducer
-from pdcluster.kv_transfer.settings import ConnectorSettings
-from pdcluster.kv_transfer.stats import PDTransferStats
+from pdcluster.kv_transfer.protocol import ProducerInfo
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext, Pool
+from pdcluster.kv_transfer.stats import PDTransferStats
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import (
     CacheSink,
     Transport,
     TransportClient,
     TransportServer,
-    TransportSettings,
 )
 from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
 
@@ -63,7 +65,7 @@ class PullResult:
 class ConnectorWorker:
     def __init__(
         self,
-        settings: ConnectorSettings,
+        settings: KVTransferSettings,
         engine_id: str,
         *,
         model: str,
@@ -75,6 +77,7 @@ class ConnectorWorker:
         is_consumer: bool,
     ):
         self.settings = settings
+        self.faults = FaultInjector(settings.fault_injection)
         self.engine_id = engine_id
         self.model = model
         self.block_size = block_size
@@ -93,7 +96,7 @@ class ConnectorWorker:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[PullResult]] = {}
         self._clients: dict[tuple[str, str], TransportClient] = {}  # (endpoint, backend)
-        self._verified: set[tuple[str, str]] = set()
+        self._producers: dict[tuple[str, str], ProducerInfo] = {}  # (endpoint, backend) handshaken
         self._clients_lock = threading.Lock()
         self._scatterers: Pool[BlockScatterer] | None = None
         self.stats = PDTransferStats()
@@ -111,45 +114,35 @@ class ConnectorWorker:
         )
         self.cache.back_with_huge_pages()
         self.ctx = DeviceContext(self.cache.device)
-        self.offers = offered_backends(self.settings.transport, self.cache.device.type)
+        self.offers = offered_backends(self.settings.backend, self.cache.device.type)
         logger.info(
             "KV cache registered: %d layers, %d blocks, %d bytes/block, device %s",
-            len(self.cache.layer_names), self.cache.num_blocks,
-            self.cache.layout.bytes_per_block(), self.cache.device,
+            len(self.cache.layer_names),
+            self.cache.num_blocks,
+            self.cache.layout.bytes_per_block(),
+            self.cache.device,
         )
         if self.is_producer:
             self.producer = KVProducer(
                 self.cache,
                 self.engine_id,
                 max_chunk_bytes=self.settings.max_chunk_bytes,
-                lease_wait_s=self.settings.lease_wait_s,
-                faults=self.settings.faults,
+                lease_wait_s=self.settings.lease_wait_seconds,
+                faults=self.faults,
             )
             self.server = self._bind_server()
         if self.is_consumer:
             cache = self.cache
             chunk = self.settings.max_chunk_bytes
             self._scatterers = Pool(lambda: BlockScatterer(cache, chunk))
-            self._executor = ThreadPoolExecutor(
-                max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull"
-            )
-
-    def _transport_settings(self) -> TransportSettings:
-        assert self.cache is not None
-        return TransportSettings(
-            secret=self.settings.secret,
-            max_chunk_bytes=self.settings.max_chunk_bytes,
-            pull_timeout_s=self.settings.pull_timeout_s,
-            device=str(self.cache.device),
-        )
+            self._executor = ThreadPoolExecutor(max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull")
 
     def _transport(self, name: str) -> Transport:
         with self._clients_lock:
             transport = self._transports.get(name)
             if transport is None:
-                transport = self._transports[name] = create_transport(
-                    name, self._transport_settings()
-                )
+                assert self.cache is not None
+                transport = self._transports[name] = create_transport(name, self.settings, str(self.cache.device))
             return transport
 
     def _bind_server(self) -> TransportServer:
@@ -160,14 +153,17 @@ class ConnectorWorker:
         for port in ports:
             try:
                 return serve_backends(
-                    self.offers, self._transport_settings(), self.producer,
-                    self.settings.bind_host, port,
+                    self.offers,
+                    self.settings,
+                    self.producer,
+                    self.settings.bind_host,
+                    port,
+                    str(self.cache.device) if self.cache is not None else "cpu",
                 )
             except KVTransferError as exc:
                 last_error = exc
         raise KVTransferError(
-            f"no free KV port in {self.settings.bind_host}:{lo}-{hi} for tp rank {self.tp_rank}: "
-            f"{last_error}"
+            f"no free KV port in {self.settings.bind_host}:{lo}-{hi} for tp rank {self.tp_rank}: {last_error}"
         )
 
     def handshake_metadata(self) -> PDHandshakeMetadata:
@@ -175,13 +171,7 @@ class ConnectorWorker:
         if self.server is not None:
             port = self.server.address.rpartition(":")[2]
             endpoint = f"{self.settings.host_for_peers}:{port}"
-        return PDHandshakeMetadata(
-            endpoint=endpoint,
-            transport=self.settings.transport,
-            offers=tuple(self.offers),
-            node_id=node_id(),
-            device_kind=self.cache.device.type if self.cache is not None else "",
-        )
+        return PDHandshakeMetadata(endpoint=endpoint)
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -216,7 +206,8 @@ class ConnectorWorker:
                     self.stats.add("leases_expired")
                     logger.warning(
                         "KV lease of %s expired after %.1f s without a consumer release",
-                        lease.request_id, time.monotonic() - lease.created,
+                        lease.request_id,
+                        time.monotonic() - lease.created,
                     )
                 else:
                     self.stats.add("leases_released")
@@ -238,7 +229,6 @@ class ConnectorWorker:
                 self.stats.add("pull_seconds", result.seconds)
             else:
                 self.stats.add("pulls_failed")
-                self.stats.add_failure(request_id, result.error)
                 failed.add(request_id)
         return sending, recving, failed
 
@@ -251,29 +241,17 @@ class ConnectorWorker:
 
     # -- consumer internals ------------------------------------------------------------------
 
-    def backend_for(self, remote: RemotePrefill) -> str:
-        """The backend this consumer uses with that producer (raises naming both sides)."""
-        assert self.cache is not None
-        return choose_backend(
-            self.settings.transport,
-            local_node=node_id(),
-            local_device=self.cache.device.type,
-            remote_node=remote.node_id,
-            remote_device=remote.device_kind,
-            remote_offers=remote.offers,
-            remote_engine=remote.engine_id,
-        )
-
-    def _connection(self, remote: RemotePrefill, backend: str = "grpc") -> TransportClient:
-        """A (cached) client for this rank's producer endpoint; no handshake implied."""
-        if len(remote.endpoints) != self.tp_size:
+    def _endpoint(self, lease: KVParams) -> str:
+        """This rank's producer endpoint for a lease (raises when the TP sizes differ)."""
+        if len(lease.remote_endpoints) != self.tp_size:
             raise KVTransferError(
-                f"producer {remote.engine_id} has {len(remote.endpoints)} tensor-parallel ranks, "
-                f"this consumer has {self.tp_size}"
+                f"producer {lease.remote_engine_id} has {len(lease.remote_endpoints)} "
+                f"tensor-parallel ranks, this consumer has {self.tp_size}"
             )
-        endpoint = remote.endpoints[self.tp_rank]
-        if self.settings.faults.should_dial_unreachable():
-            endpoint = "127.0.0.1:1"  # injected fault: nothing listens there
+        return lease.remote_endpoints[self.tp_rank]
+
+    def _connection(self, endpoint: str, backend: str = "grpc") -> TransportClient:
+        """A (cached) client for a producer endpoint; no handshake implied."""
         transport = self._transport(backend)
         with self._clients_lock:
             client = self._clients.get((endpoint, backend))
@@ -281,18 +259,44 @@ class ConnectorWorker:
                 client = self._clients[(endpoint, backend)] = transport.connect(endpoint)
             return client
 
-    def _verified_connection(self, remote: RemotePrefill, backend: str) -> TransportClient:
-        """A client whose producer passed the layout handshake (done once per endpoint)."""
-        client = self._connection(remote, backend)
-        key = (remote.endpoints[self.tp_rank], backend)
+    def _verified_connection(self, endpoint: str, backend: str) -> tuple[TransportClient, ProducerInfo]:
+        """A client whose producer passed the layout handshake (once per endpoint and backend),
+        and what that producer said of itself there."""
+        client = self._connection(endpoint, backend)
         with self._clients_lock:
-            verified = key in self._verified
-        if not verified:
+            info = self._producers.get((endpoint, backend))
+        if info is None:
             assert self.cache is not None
-            client.handshake(self.cache.layout, self.engine_id)  # raises HandshakeError
+            info = client.handshake(self.cache.layout, self.engine_id)  # raises HandshakeError
             with self._clients_lock:
-                self._verified.add(key)
-        return client
+                self._producers[(endpoint, backend)] = info
+        return client, info
+
+    def backend_for(self, endpoint: str, info: ProducerInfo) -> str:
+        """The backend this consumer uses with that producer (raises naming both sides)."""
+        assert self.cache is not None
+        return choose_backend(
+            self.settings.backend,
+            local_node=node_id(),
+            local_device=self.cache.device.type,
+            remote_node=info.node_id,
+            remote_device=info.device_kind,
+            remote_offers=info.offers,
+            remote_engine=info.engine_id or endpoint,
+        )
+
+    def _producer_client(self, lease: KVParams) -> tuple[TransportClient, str]:
+        """The verified client of the backend this consumer uses with the lease's producer: the
+        gRPC control handshake first (it says where the producer runs and what it offers)."""
+        endpoint = self._endpoint(lease)
+        if self.faults.should_dial_unreachable():
+            endpoint = "127.0.0.1:1"  # injected fault: nothing listens there
+        _, info = self._verified_connection(endpoint, "grpc")
+        backend = self.backend_for(endpoint, info)
+        self.stats.set_backend(lease.remote_engine_id, backend)
+        if backend == "grpc":
+            return self._connection(endpoint, "grpc"), backend
+        return self._verified_connection(endpoint, backend)[0], backend
 
     def _submit_pull(self, spec: PullSpec) -> None:
         assert self._executor is not None
@@ -303,19 +307,17 @@ class ConnectorWorker:
 
     def _submit_release(self, spec: ReleaseSpec) -> None:
         assert self._executor is not None
-        logger.debug("releasing %s without pulling: %s", spec.remote.request_id, spec.reason)
+        logger.debug("releasing %s without pulling: %s", spec.remote.remote_request_id, spec.reason)
         self._executor.submit(self._release, spec.remote, False)
 
     def _pull(self, spec: PullSpec) -> PullResult:
         started = time.perf_counter()
-        faults = self.settings.faults
+        faults = self.faults
         event = None
         try:
-            if faults.pull_delay_s:
-                time.sleep(faults.pull_delay_s)  # injected fault: a stalled consumer
-            backend = self.backend_for(spec.remote)
-            self.stats.set_backend(spec.remote.engine_id, backend)
-            client = self._verified_connection(spec.remote, backend)  # layout mismatch first
+            if faults.config.pull_delay_s:
+                time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
+            client, _ = self._producer_client(spec.remote)  # a layout mismatch fails here
             if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:
                 raise KVTransferError(
                     f"cannot map {len(spec.remote_block_ids)} producer blocks onto "
@@ -334,46 +336,48 @@ class ConnectorWorker:
 
                 try:
                     nbytes = client.pull(
-                        spec.remote.request_id,
+                        spec.remote.remote_request_id,
                         spec.remote_block_ids,
                         sink,
                         engine_id=self.engine_id,
-                        timeout_s=self.settings.pull_timeout_s,
+                        timeout_s=self.settings.pull_timeout_seconds,
                     )
                 finally:
                     event = scatterer.finish()
         except (KVTransferError, OSError) as exc:
-            logger.error(
-                "KV pull for %s from %s failed: %s", spec.request_id, spec.remote.engine_id, exc
-            )
+            logger.error("KV pull for %s from %s failed: %s", spec.request_id, spec.remote.remote_engine_id, exc)
+            if self.settings.failure_policy == "fail":
+                # Before vLLM hears of it: the engine's error for this request then says why.
+                report_failure(spec.remote.remote_request_id, spec.remote.remote_engine_id, str(exc))
             self._release(spec.remote, False)
             return PullResult(
-                spec.request_id, False, seconds=time.perf_counter() - started, event=event,
+                spec.request_id,
+                False,
+                seconds=time.perf_counter() - started,
+                event=event,
                 error=str(exc),
             )
         seconds = time.perf_counter() - started
         logger.debug("pulled %d bytes for %s in %.1f ms", nbytes, spec.request_id, seconds * 1e3)
         if faults.should_drop_release():
-            logger.warning("fault injection: not releasing %s", spec.remote.request_id)
+            logger.warning("fault injection: not releasing %s", spec.remote.remote_request_id)
         else:
             self._release(spec.remote, True)
         return PullResult(spec.request_id, True, nbytes, seconds, event)
 
-    def _release(self, remote: RemotePrefill, transferred: bool) -> None:
+    def _release(self, lease: KVParams, transferred: bool) -> None:
+        """Tell the producer it may free the lease's blocks (every producer's gRPC control
+        server answers Release, whatever backend moved the bytes)."""
         try:
-            try:
-                backend = self.backend_for(remote)
-            except KVTransferError:
-                backend = "grpc"  # every producer's control server answers Release
-            self._connection(remote, backend).release(
-                remote.request_id,
+            self._connection(self._endpoint(lease), "grpc").release(
+                lease.remote_request_id,
                 transferred=transferred,
                 engine_id=self.engine_id,
-                timeout_s=self.settings.release_timeout_s,
+                timeout_s=self.settings.release_timeout_seconds,
             )
         except KVTransferError as exc:
             # The producer's lease expiry frees the blocks if this message is lost.
-            logger.warning("KV release of %s failed: %s", remote.request_id, exc)
+            logger.warning("KV release of %s failed: %s", lease.remote_request_id, exc)
 
     # -- shutdown ----------------------------------------------------------------------------
 

@@ -94,21 +94,8 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
     """
     section = config.role(role)
     kv = config.kv_transfer
-    kv_extra = None
-    if role != "aggregated":
-        kv_extra = {
-            "transport": kv.backend,
-            "bind_host": kv.bind_host,
-            "port_range": list(kv.port_range),
-            "lease_s": kv.lease_seconds,
-            "pull_timeout_s": kv.pull_timeout_seconds,
-            "max_chunk_bytes": kv.max_chunk_bytes,
-            "pull_threads": kv.pull_threads,
-            "model_id": config.model.served_name,
-            "fault_injection": kv.fault_injection.model_dump(),
-        }
-        if kv.advertise_host:
-            kv_extra["advertise_host"] = kv.advertise_host
+    # The engine actor adds the node-local secret file (and the address peers dial).
+    kv_extra = kv.connector_config() if role != "aggregated" else None
     async_sched = section.async_scheduling
     if async_sched is None and role == "decode":
         async_sched = True
@@ -126,7 +113,6 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
         speculative=config.speculative.vllm_config() if config.speculative else None,
         async_scheduling=async_sched,
         kv_extra=kv_extra,
-        kv_load_failure_policy=kv.failure_policy,
         http_host=kv.bind_host,
         cpu_threads_bind=section.bind_for(index),
         kv_cache_gib=section.kv_cache_gib,
@@ -172,9 +158,11 @@ class Controller:
             first_token_from_prefill=cfg.router.first_token_from_prefill,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
         )
-        self.router = ray.remote(RouterActor).options(
-            name=f"{cfg.name}-router", num_cpus=0, max_concurrency=1000
-        ).remote(settings)
+        self.router = (
+            ray.remote(RouterActor)
+            .options(name=f"{cfg.name}-router", num_cpus=0, max_concurrency=1000)
+            .remote(settings)
+        )
         self.endpoint = await self.router.start.remote(cfg.router.host, cfg.router.port)
         for role in cfg.serving_roles():
             for _ in range(cfg.role(role).replicas):
@@ -218,8 +206,8 @@ class Controller:
             options["resources"] = {"NPU": res.npus}
         try:
             replica.stage = "scheduling actor"
-            replica.actor = ray.remote(_worker_class(replica.role)).options(**options).remote(
-                replica.spec, self._secret
+            replica.actor = (
+                ray.remote(_worker_class(replica.role)).options(**options).remote(replica.spec, self._secret)
             )
             replica.stage = "starting engine"
             info = await replica.actor.start.remote()
@@ -252,7 +240,12 @@ class Controller:
         import ray
 
         while not self._stopping:
-            live = [r for pool in self.pools.values() for r in pool if r.state in (ReplicaState.READY, ReplicaState.DRAINING)]
+            live = [
+                r
+                for pool in self.pools.values()
+                for r in pool
+                if r.state in (ReplicaState.READY, ReplicaState.DRAINING)
+            ]
             refs = [r.actor.info.remote() for r in live]
             for replica, ref in zip(live, refs):
                 try:
@@ -419,9 +412,7 @@ class Controller:
             "speculative": self.config.speculative.vllm_config() if self.config.speculative else None,
             "uptime_s": time.time() - self.started_at,
             "replicas": rows,
-            "retired": [
-                {"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired
-            ],
+            "retired": [{"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired],
         }
 
     def ping(self) -> str:

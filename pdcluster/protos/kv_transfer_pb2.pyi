@@ -41,16 +41,22 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "layout", "error")
+    __slots__ = ("protocol_version", "engine_id", "layout", "error", "node_id", "device_kind", "offers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    OFFERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     layout: KVLayout
     error: str
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    node_id: str
+    device_kind: str
+    offers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., error: _Optional[str] = ..., node_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., offers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("protocol_version", "request_id", "block_ids", "consumer_engine_id", "max_chunk_bytes", "layout_digest")

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from pdcluster.engine.spec import EngineSpec
+from pdcluster.kv_transfer.settings import KVTransferSettings
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "pdcluster-tiny-code"
@@ -118,12 +119,8 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
 
 
 def kv_extra(secret_file: Path, **overrides) -> dict:
-    extra = {
-        "transport": "grpc",
-        "bind_host": "127.0.0.1",
-        "secret_file": str(secret_file),
-        "lease_s": 30,
-        "pull_timeout_s": 20,
-    }
-    extra.update(overrides)
-    return extra
+    """An engine's KV connector config: KVTransferSettings (validated) with test defaults (grpc,
+    any free port) and `overrides` by field name."""
+    fields = {"backend": "grpc", "port_range": (0, 0), "lease_seconds": 30, "pull_timeout_seconds": 20}
+    fields.update(overrides)
+    return KVTransferSettings(**fields).connector_config(str(secret_file))

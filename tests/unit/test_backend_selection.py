@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.cli import format_status
-from pdcluster.config import KVTransferSection
 from pdcluster.errors import KVTransferError
-from pdcluster.kv_transfer import metadata as md
-from pdcluster.kv_transfer.metadata import RemotePrefill
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.stats import PDTransferStats
 from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
 
@@ -77,27 +75,12 @@ def test_node_id_is_stable_and_names_the_host():
     assert node_id().startswith(socket.gethostname() + "/")
 
 
-def test_params_carry_the_producer_offer():
-    params = {
-        md.REMOTE_ENGINE_ID: "p0", md.REMOTE_REQUEST_ID: "r", md.REMOTE_ENDPOINTS: ["h:1"],
-        md.REMOTE_BLOCK_IDS: [1], md.REMOTE_NUM_TOKENS: 3, md.TRANSPORT: "auto",
-        md.KV_BACKENDS: ["grpc", "shm"], md.KV_NODE: "n", md.KV_DEVICE: "cpu",
-    }
-    remote = RemotePrefill.from_params(params)
-    assert (remote.offers, remote.node_id, remote.device_kind) == (("grpc", "shm"), "n", "cpu")
-    # Params from a producer that predates the offer: its configured transport is the offer.
-    for key in (md.KV_BACKENDS, md.KV_NODE, md.KV_DEVICE):
-        del params[key]
-    params[md.TRANSPORT] = "grpc"
-    assert RemotePrefill.from_params(params).offers == ("grpc",)
-
-
 def test_config_backend_values():
-    assert KVTransferSection().backend == "auto"
+    assert KVTransferSettings().backend == "auto"
     for value in ("auto", "grpc", "shm", "collective"):
-        assert KVTransferSection(backend=value).backend == value
+        assert KVTransferSettings(backend=value).backend == value
     with pytest.raises(ValueError):
-        KVTransferSection(backend="rdma")
+        KVTransferSettings(backend="rdma")
 
 
 def test_stats_merge_backends_per_producer():
@@ -112,13 +95,29 @@ def test_stats_merge_backends_per_producer():
 
 def test_status_table_shows_backend_per_pair():
     row = {
-        "replica": "decode-0", "role": "decode", "node": "n1", "state": "ready", "stage": "",
-        "error": "", "inflight": 0, "running": 0, "waiting": 0, "kv_cache_usage": 0.0,
-        "ttft_p50": None, "ttft_p99": None, "itl_p50": None, "itl_p99": None,
-        "prefill_p50": None, "prefill_p99": None, "async_scheduling": True,
-        "async_scheduling_reason": "", "kv_backend": "auto",
-        "kv_backends": {"c-prefill-0": "shm", "c-prefill-1": "grpc"}, "stats": {},
-        "single_process": False, "single_process_reason": "no explicit core list (cpu_bind) to bind the engine thread to",
+        "replica": "decode-0",
+        "role": "decode",
+        "node": "n1",
+        "state": "ready",
+        "stage": "",
+        "error": "",
+        "inflight": 0,
+        "running": 0,
+        "waiting": 0,
+        "kv_cache_usage": 0.0,
+        "ttft_p50": None,
+        "ttft_p99": None,
+        "itl_p50": None,
+        "itl_p99": None,
+        "prefill_p50": None,
+        "prefill_p99": None,
+        "async_scheduling": True,
+        "async_scheduling_reason": "",
+        "kv_backend": "auto",
+        "kv_backends": {"c-prefill-0": "shm", "c-prefill-1": "grpc"},
+        "stats": {},
+        "single_process": False,
+        "single_process_reason": "no explicit core list (cpu_bind) to bind the engine thread to",
     }
     status = {"name": "c", "mode": "pd", "model": "m", "endpoint": "e", "replicas": [row]}
     table = format_status(status)

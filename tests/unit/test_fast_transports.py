@@ -20,9 +20,10 @@ import torch
 
 from pdcluster.errors import AuthenticationError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
-from pdcluster.kv_transfer.transports.base import CacheSink, TransportSettings
+from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.shm import SEGMENT_PREFIX, SHM_DIR
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.unit.kv_fixtures import make_cache
@@ -32,8 +33,8 @@ CHUNK = 4096  # small chunks: many per pull, so the ring wraps and sends pipelin
 REQUESTS = {"req-a": [3, 9, 10, 11, 60], "req-b": list(range(20, 40)), "req-c": [1, 2]}
 
 
-def settings(**overrides) -> TransportSettings:
-    return TransportSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_s=20, **overrides)
+def settings(**overrides) -> KVTransferSettings:
+    return KVTransferSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_seconds=20, **overrides)
 
 
 def producer_main(conn) -> None:
@@ -89,9 +90,7 @@ def assert_copied(consumer, request_id, dst_ids) -> None:
         assert torch.equal(dst[dst_ids], src[REQUESTS[request_id]])
 
 
-@pytest.mark.parametrize(
-    ("backend", "direct"), [("shm", True), ("shm", False), ("collective", False)]
-)
+@pytest.mark.parametrize(("backend", "direct"), [("shm", True), ("shm", False), ("collective", False)])
 @pytest.mark.parametrize("request_id", ["req-a", "req-b"])
 def test_pull_copies_blocks_exactly(producer_process, backend, direct, request_id):
     address, _ = producer_process
@@ -119,7 +118,8 @@ def test_direct_pulls_after_the_first_read_early_and_survive_a_stale_peer(produc
             if stale:
                 peer = client._peer
                 client._peer = pb.ShmChunk(
-                    pid=peer.pid, layer_addresses=[a + 2 * consumer.block_bytes[0] for a in peer.layer_addresses],
+                    pid=peer.pid,
+                    layer_addresses=[a + 2 * consumer.block_bytes[0] for a in peer.layer_addresses],
                     push_from_layer=peer.push_from_layer,
                 )
             scatterer.begin(dst_ids)
@@ -209,7 +209,7 @@ def test_wrong_secret_learns_no_segment_or_group(producer_process, method):
 
 def test_wrong_secret_client_is_refused(producer_process):
     address, _ = producer_process
-    client = create_transport("shm", TransportSettings(secret="wrong")).connect(address)
+    client = create_transport("shm", KVTransferSettings(secret="wrong")).connect(address)
     try:
         with pytest.raises(AuthenticationError):
             client.handshake(make_cache().layout, "intruder")
@@ -258,3 +258,19 @@ def pull_local(address):
         return consumer, client.pull("r", [1, 2, 3], scatterer.write, engine_id="decode-0", timeout_s=20)
     finally:
         client.close()
+
+
+def test_handshake_tells_where_the_producer_runs_and_what_it_offers(producer_process):
+    """What is static per producer (node, cache device, backends) comes once per connection in
+    the handshake, from the producer's own server, not in every request's kv_transfer_params."""
+    from pdcluster.kv_transfer.transports.selection import node_id
+
+    address, _ = producer_process
+    client = create_transport("grpc", settings()).connect(address)
+    try:
+        info = client.handshake(make_cache(fill="zeros").layout, "decode-0")
+    finally:
+        client.close()
+    assert info.engine_id == "prefill-0"
+    assert info.offers == ("grpc", "shm", "collective")
+    assert (info.node_id, info.device_kind) == (node_id(), "cpu")  # another process, this host

@@ -12,9 +12,9 @@ import torch
 from pdcluster.errors import AuthenticationError, HandshakeError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION, layout_digest
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport
-from pdcluster.kv_transfer.transports.base import TransportSettings
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.unit.kv_fixtures import make_cache
 
@@ -25,7 +25,7 @@ SECRET = "s3cret-for-tests"
 def producer_server():
     cache = make_cache()
     producer = KVProducer(cache, "prefill-0", max_chunk_bytes=4096, lease_wait_s=0.5)
-    transport = create_transport("grpc", TransportSettings(secret=SECRET, max_chunk_bytes=4096))
+    transport = create_transport("grpc", KVTransferSettings(secret=SECRET, max_chunk_bytes=4096))
     server = transport.serve(producer, "127.0.0.1", 0)
     yield producer, server, transport
     server.stop(0)
@@ -37,9 +37,9 @@ def pull_into(transport, server, consumer_cache, request_id, src_ids, dst_ids):
         client.handshake(consumer_cache.layout, "decode-0")
         scatterer = BlockScatterer(consumer_cache, 4096)
         scatterer.begin(dst_ids)
-        return client.pull(
-            request_id, src_ids, scatterer.write, engine_id="decode-0", timeout_s=10
-        ), client.release(request_id, transferred=True, engine_id="decode-0", timeout_s=5)
+        return client.pull(request_id, src_ids, scatterer.write, engine_id="decode-0", timeout_s=10), client.release(
+            request_id, transferred=True, engine_id="decode-0", timeout_s=5
+        )
     finally:
         client.close()
 
@@ -55,9 +55,7 @@ def test_pull_copies_blocks_and_release_frees_the_lease(producer_server):
     for src, dst in zip(producer.cache.tensors, consumer.tensors):
         assert torch.equal(dst[dst_ids], src[src_ids])
     finished = producer.leases.collect_finished()
-    assert [(lease.request_id, lease.expired, lease.transferred) for lease in finished] == [
-        ("req-1", False, True)
-    ]
+    assert [(lease.request_id, lease.expired, lease.transferred) for lease in finished] == [("req-1", False, True)]
 
 
 def test_pull_may_ask_for_a_suffix_of_the_lease(producer_server):
@@ -107,7 +105,7 @@ def test_pull_waits_for_a_lease_registered_a_moment_later(producer_server):
 def test_wrong_secret_is_refused_and_gets_no_bytes(producer_server):
     producer, server, _ = producer_server
     producer.leases.add("req-4", [1, 2], time.monotonic() + 30)
-    intruder = create_transport("grpc", TransportSettings(secret="wrong"))
+    intruder = create_transport("grpc", KVTransferSettings(secret="wrong"))
     client = intruder.connect(server.address)
     with pytest.raises(AuthenticationError, match="UNAUTHENTICATED"):
         client.handshake(make_cache(fill="zeros").layout, "intruder")
@@ -186,4 +184,4 @@ def test_lease_is_never_freed_mid_transfer():
 
 def test_unknown_transport_name_lists_the_available_ones():
     with pytest.raises(ValueError, match="available: collective, grpc, shm"):
-        create_transport("carrier-pigeon", TransportSettings(secret="x"))
+        create_transport("carrier-pigeon", KVTransferSettings(secret="x"))

@@ -12,10 +12,11 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdcluster.kv_transfer.transports.base import Transport, TransportServer, TransportSettings
+from pdcluster.kv_transfer.transports.base import Transport, TransportServer
 
 if TYPE_CHECKING:
     from pdcluster.kv_transfer.producer import KVProducer
+    from pdcluster.kv_transfer.settings import KVTransferSettings
 
 _REGISTRY: dict[str, str] = {}
 
@@ -31,30 +32,33 @@ def available_transports() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_transport(name: str, settings: TransportSettings) -> Transport:
+def create_transport(name: str, settings: KVTransferSettings, device: str = "cpu") -> Transport:
     try:
         target = _REGISTRY[name]
     except KeyError:
-        raise ValueError(
-            f"unknown KV transport {name!r}; available: {', '.join(available_transports())}"
-        ) from None
+        raise ValueError(f"unknown KV transport {name!r}; available: {', '.join(available_transports())}") from None
     module_name, _, class_name = target.partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(settings)
+    return cls(settings, device)
 
 
 def serve_backends(
-    names: Sequence[str], settings: TransportSettings, producer: KVProducer, host: str, port: int
+    names: Sequence[str],
+    settings: KVTransferSettings,
+    producer: KVProducer,
+    host: str,
+    port: int,
+    device: str = "cpu",
 ) -> TransportServer:
     """One control server on host:port that serves every backend in `names`."""
     from pdcluster.kv_transfer.transports.grpc_transport import GrpcServer
 
     extensions = []
     for name in names:
-        extension = create_transport(name, settings).server_extension(producer, host)
+        extension = create_transport(name, settings, device).server_extension(producer, host)
         if extension is not None:
             extensions.append(extension)
-    return GrpcServer(producer, host, port, settings, extensions)  # closes them if it fails
+    return GrpcServer(producer, host, port, settings, extensions, offers=names)  # closes them if it fails
 
 
 register_transport("grpc", "pdcluster.kv_transfer.transports.grpc_transport:GrpcTransport")

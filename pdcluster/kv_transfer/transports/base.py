@@ -14,29 +14,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
-from pdcluster.kv_transfer.protocol import DEFAULT_CHUNK_BYTES, KVLayout
+from pdcluster.kv_transfer.protocol import KVLayout, ProducerInfo
+from pdcluster.kv_transfer.settings import KVTransferSettings
 
 # Receives each chunk's bytes: a host buffer, or (collective backend on an accelerator) a tensor
 # on the cache's device. Valid only during the call.
 ChunkSink = Callable[[Chunk, "memoryview | torch.Tensor"], None]
 Authorize = Callable[[Any], None]  # aborts the gRPC call unless it carries the cluster secret
-
-
-@dataclass(frozen=True)
-class TransportSettings:
-    secret: str
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    connect_timeout_s: float = 5.0
-    server_threads: int = 8
-    pull_timeout_s: float = 30.0  # collective: bound on one send/recv (a stuck peer cannot hang us)
-    device: str = "cpu"  # the local KV cache's device (collective: where its buffers live)
 
 
 class CacheSink:
@@ -79,8 +69,9 @@ class TransportServer(ABC):
 
 class TransportClient(ABC):
     @abstractmethod
-    def handshake(self, local_layout: KVLayout, engine_id: str) -> KVLayout:
-        """Exchange layouts; raise HandshakeError naming both sides on any mismatch."""
+    def handshake(self, local_layout: KVLayout, engine_id: str) -> ProducerInfo:
+        """Exchange layouts; raise HandshakeError naming both sides on any mismatch. Returns what
+        the producer's server says of itself (layout, node, device, offered backends)."""
 
     @abstractmethod
     def pull(
@@ -109,15 +100,19 @@ class ServerExtension(ABC):
     def handlers(self, authorize: Authorize) -> dict[str, Any]:
         """gRPC method name -> grpc.RpcMethodHandler; each handler calls `authorize` first."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most extensions hold nothing
         """Free what the extension holds (called when the server stops)."""
 
 
 class Transport(ABC):
+    """A backend, run with the engine's KV settings (their secret resolved) and the device of
+    the local KV cache (collective: where its buffers live)."""
+
     name: str = ""
 
-    def __init__(self, settings: TransportSettings):
+    def __init__(self, settings: KVTransferSettings, device: str = "cpu"):
         self.settings = settings
+        self.device = device
 
     def server_extension(self, producer: KVProducer, host: str) -> ServerExtension | None:
         """What this backend adds to the producer's control server (None: nothing)."""
@@ -127,7 +122,7 @@ class Transport(ABC):
         """A control server that serves this backend (and the plain gRPC pull)."""
         from pdcluster.kv_transfer.transports import serve_backends
 
-        return serve_backends([self.name], self.settings, producer, host, port)
+        return serve_backends([self.name], self.settings, producer, host, port, self.device)
 
     @abstractmethod
     def connect(self, endpoint: str) -> TransportClient: ...

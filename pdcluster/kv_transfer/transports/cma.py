@@ -26,7 +26,11 @@ for _fn in (_readv, _writev):
     if _fn is not None:
         _fn.restype = ctypes.c_ssize_t
         _fn.argtypes = [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
             ctypes.c_ulong,
         ]
 
@@ -38,9 +42,7 @@ def available() -> bool:
     return _readv is not None and _writev is not None
 
 
-def block_iovecs(
-    bases: Sequence[int], row_bytes: Sequence[int], block_ids: Sequence[int]
-) -> np.ndarray:
+def block_iovecs(bases: Sequence[int], row_bytes: Sequence[int], block_ids: Sequence[int]) -> np.ndarray:
     """struct iovec[] (as uint64 pairs) for `block_ids` of every layer, layer by layer."""
     ids = np.asarray(block_ids, dtype=np.uint64)
     parts = []

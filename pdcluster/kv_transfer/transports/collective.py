@@ -21,7 +21,6 @@ hardware here (tools/kv_collective_device_check.py exercises them on a GPU host)
 
 from __future__ import annotations
 
-import importlib
 import logging
 import secrets
 import socket
@@ -35,9 +34,11 @@ from datetime import timedelta
 import grpc
 import torch
 
+from pdcluster import compat
 from pdcluster.errors import HandshakeError, KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache, chunk_plan
 from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import DeviceContext, gather_blocks
 from pdcluster.kv_transfer.transports.base import (
     Authorize,
@@ -45,7 +46,6 @@ from pdcluster.kv_transfer.transports.base import (
     ServerExtension,
     Transport,
     TransportClient,
-    TransportSettings,
 )
 from pdcluster.kv_transfer.transports.grpc_transport import (
     SERVICE,
@@ -71,32 +71,15 @@ def backend_for(device_kind: str) -> str:
 
 
 def make_pair_group(backend: str, store, rank: int, timeout: timedelta, host: str):
-    """A standalone two-rank group (never the default group), ranks 0 = producer, 1 = consumer."""
+    """A standalone two-rank group (never the default group), ranks 0 = producer, 1 = consumer.
+
+    Built from torch.distributed's private process-group options (pdcluster.compat.torch_dist)."""
     if backend == "gloo":
-        from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-        options = ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [
-            ProcessGroupGloo.create_default_device()
-            if host in ("", "0.0.0.0", "::")
-            else ProcessGroupGloo.create_device(hostname=host)
-        ]
-        return ProcessGroupGloo(store, rank, 2, options)
+        return compat.gloo_pair_group(store, rank, 2, timeout, host)
     if backend == "nccl":
-        from torch.distributed.distributed_c10d import ProcessGroupNCCL
-
-        options = ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return ProcessGroupNCCL(store, rank, 2, options)
+        return compat.nccl_pair_group(store, rank, 2, timeout)
     if backend == "hccl":
-        # torch_npu (Ascend hosts only) registers the NPU device and HCCL.
-        importlib.import_module("torch_npu")
-        ProcessGroupHCCL = importlib.import_module("torch_npu._C._distributed_c10d").ProcessGroupHCCL
-
-        options = ProcessGroupHCCL.Options()
-        options._timeout = timeout
-        return ProcessGroupHCCL(store, rank, 2, options)
+        return compat.hccl_pair_group(store, rank, 2, timeout)
     raise KVTransferError(f"unknown collective backend {backend!r}")
 
 
@@ -119,14 +102,13 @@ class _Buffers:
             self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         buffer = self._buffers[index % 2]
         if buffer.numel() < nbytes:
-            buffer = self._buffers[index % 2] = torch.empty(
-                nbytes, dtype=torch.uint8, device=self.device
-            )
+            buffer = self._buffers[index % 2] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buffer[:nbytes]
 
 
-def send_chunks(group, cache: PagedKVCache, block_ids: Sequence[int], plan: list[Chunk],
-                ready_event, tag: int, buffers: _Buffers) -> int:
+def send_chunks(
+    group, cache: PagedKVCache, block_ids: Sequence[int], plan: list[Chunk], ready_event, tag: int, buffers: _Buffers
+) -> int:
     """Producer: gather each chunk into a buffer and send it; two sends in flight."""
     ctx = DeviceContext(cache.device)
     ctx.compute_stream_wait(ready_event)  # the forward pass wrote the blocks
@@ -146,8 +128,7 @@ def send_chunks(group, cache: PagedKVCache, block_ids: Sequence[int], plan: list
     return sent
 
 
-def recv_chunks(group, device: torch.device, plan: list[Chunk], tag: int, buffers: _Buffers,
-                sink: ChunkSink) -> int:
+def recv_chunks(group, device: torch.device, plan: list[Chunk], tag: int, buffers: _Buffers, sink: ChunkSink) -> int:
     """Consumer: receive the chunks in plan order (two recvs in flight) and hand each to sink."""
     works: list = [None, None]
 
@@ -176,7 +157,7 @@ class _Pair:
 
 
 class CollectiveExtension(ServerExtension):
-    def __init__(self, producer: KVProducer, settings: TransportSettings, host: str):
+    def __init__(self, producer: KVProducer, settings: KVTransferSettings, host: str):
         self.producer = producer
         self.settings = settings
         self.device = producer.cache.device
@@ -187,7 +168,7 @@ class CollectiveExtension(ServerExtension):
         self._lock = threading.Lock()
         self._opener = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-collective")
         self._buffers = _Buffers(self.device)
-        self._timeout = timedelta(seconds=settings.pull_timeout_s)
+        self._timeout = timedelta(seconds=settings.pull_timeout_seconds)
 
     def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
         def open_(request, context):
@@ -225,7 +206,11 @@ class CollectiveExtension(ServerExtension):
         with self._lock:
             if self._store is None:
                 self._store = TCPStore(
-                    self.host, 0, None, is_master=True, timeout=self._timeout,
+                    self.host,
+                    0,
+                    None,
+                    is_master=True,
+                    timeout=self._timeout,
                     wait_for_workers=False,
                 )
             store = self._store
@@ -234,7 +219,11 @@ class CollectiveExtension(ServerExtension):
             while len(self._pairs) >= MAX_PAIRS:
                 self._pairs.popitem(last=False)
             group = self._opener.submit(
-                make_pair_group, self.backend, PrefixStore(key, store), PRODUCER, self._timeout,
+                make_pair_group,
+                self.backend,
+                PrefixStore(key, store),
+                PRODUCER,
+                self._timeout,
                 self.host,
             )
             self._pairs[key] = _Pair(key, request.consumer_engine_id, group)
@@ -266,8 +255,13 @@ class CollectiveExtension(ServerExtension):
                     plan = self.producer.cache.chunk_plan(len(block_ids), chunk_bytes)
                     yield pb.CollectiveProgress(num_chunks=len(plan), chunk_bytes=chunk_bytes)
                     sent = send_chunks(
-                        group, self.producer.cache, block_ids, plan, lease.ready_event,
-                        request.tag, self._buffers,
+                        group,
+                        self.producer.cache,
+                        block_ids,
+                        plan,
+                        lease.ready_event,
+                        request.tag,
+                        self._buffers,
                     )
                     self.producer.bytes_sent += sent
                 yield pb.CollectiveProgress(bytes_sent=sent, done=True)
@@ -283,9 +277,9 @@ class CollectiveExtension(ServerExtension):
 
 
 class CollectiveClient(GrpcClient):
-    def __init__(self, endpoint: str, settings: TransportSettings):
+    def __init__(self, endpoint: str, settings: KVTransferSettings, device: str = "cpu"):
         super().__init__(endpoint, settings)
-        self.device = torch.device(settings.device)
+        self.device = torch.device(device)
         self.backend = backend_for(self.device.type)
         self._open = self.channel.unary_unary(
             f"/{SERVICE}/CollectiveOpen",
@@ -302,7 +296,7 @@ class CollectiveClient(GrpcClient):
         self._key = ""
         self._tag = 0
         self._buffers = _Buffers(self.device)
-        self._timeout = timedelta(seconds=settings.pull_timeout_s)
+        self._timeout = timedelta(seconds=settings.pull_timeout_seconds)
 
     def _ensure_group(self, engine_id: str):
         if self._group is not None:
@@ -313,7 +307,7 @@ class CollectiveClient(GrpcClient):
                     consumer_engine_id=engine_id, backend=self.backend, device_kind=self.device.type
                 ),
                 metadata=self.metadata,
-                timeout=self.settings.connect_timeout_s,
+                timeout=self.settings.connect_timeout_seconds,
                 wait_for_ready=True,
             )
         except grpc.RpcError as exc:
@@ -326,13 +320,14 @@ class CollectiveClient(GrpcClient):
         try:
             store = TCPStore(host, reply.store_port, None, is_master=False, timeout=self._timeout)
             self._group = make_pair_group(
-                self.backend, PrefixStore(reply.group_key, store), CONSUMER, self._timeout,
+                self.backend,
+                PrefixStore(reply.group_key, store),
+                CONSUMER,
+                self._timeout,
                 local_address_towards(host),
             )
         except (RuntimeError, OSError) as exc:
-            raise KVTransferError(
-                f"collective rendezvous with {self.endpoint} ({self.backend}) failed: {exc}"
-            ) from exc
+            raise KVTransferError(f"collective rendezvous with {self.endpoint} ({self.backend}) failed: {exc}") from exc
         self._key = reply.group_key
         logger.info("KV collective pair with %s ready (%s)", self.endpoint, self.backend)
         return self._group
@@ -370,9 +365,7 @@ class CollectiveClient(GrpcClient):
                 received = recv_chunks(group, self.device, plan, self._tag, self._buffers, sink)
                 done = next(call, None)
                 if done is None or not done.done or done.bytes_sent != received:
-                    raise KVTransferError(
-                        f"producer {self.endpoint} sent {done.bytes_sent} bytes, received {received}"
-                    )
+                    raise KVTransferError(f"producer {self.endpoint} sent {done.bytes_sent} bytes, received {received}")
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:
                     self._group = None  # the producer dropped the pair: open a new one next time
@@ -380,9 +373,7 @@ class CollectiveClient(GrpcClient):
             except RuntimeError as exc:  # send/recv failed or timed out: the pair is broken
                 call.cancel()
                 self._group = None
-                raise KVTransferError(
-                    f"KV collective pull of {request_id} from {self.endpoint}: {exc}"
-                ) from exc
+                raise KVTransferError(f"KV collective pull of {request_id} from {self.endpoint}: {exc}") from exc
             except BaseException:
                 call.cancel()
                 self._group = None  # recvs may still be posted: never reuse this group
@@ -401,4 +392,4 @@ class CollectiveTransport(Transport):
         return CollectiveExtension(producer, self.settings, host)
 
     def connect(self, endpoint: str) -> TransportClient:
-        return CollectiveClient(endpoint, self.settings)
+        return CollectiveClient(endpoint, self.settings, self.device)

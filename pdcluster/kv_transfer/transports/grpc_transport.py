@@ -35,17 +35,18 @@ from pdcluster.kv_transfer.protocol import (
     SECRET_METADATA_KEY,
     KVLayout,
     LayerSpec,
+    ProducerInfo,
     check_protocol_version,
     compare_layouts,
     layout_digest,
 )
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.transports.base import (
     ChunkSink,
     ServerExtension,
     Transport,
     TransportClient,
     TransportServer,
-    TransportSettings,
 )
 from pdcluster.kv_transfer.wire import ChunkHeader, allocate_chunk, decode_chunk
 from pdcluster.protos import kv_transfer_pb2 as pb
@@ -62,10 +63,7 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
         block_size=layout.block_size,
         tp_size=layout.tp_size,
         tp_rank=layout.tp_rank,
-        layers=[
-            pb.LayerSpec(name=s.name, block_shape=list(s.block_shape), dtype=s.dtype)
-            for s in layout.layers
-        ],
+        layers=[pb.LayerSpec(name=s.name, block_shape=list(s.block_shape), dtype=s.dtype) for s in layout.layers],
     )
 
 
@@ -75,14 +73,11 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
         block_size=msg.block_size,
         tp_size=msg.tp_size,
         tp_rank=msg.tp_rank,
-        layers=tuple(
-            LayerSpec(name=s.name, block_shape=tuple(s.block_shape), dtype=s.dtype)
-            for s in msg.layers
-        ),
+        layers=tuple(LayerSpec(name=s.name, block_shape=tuple(s.block_shape), dtype=s.dtype) for s in msg.layers),
     )
 
 
-def _channel_options(settings: TransportSettings) -> list[tuple[str, int]]:
+def _channel_options(settings: KVTransferSettings) -> list[tuple[str, int]]:
     limit = max(_MESSAGE_LIMIT, settings.max_chunk_bytes * 2)
     return [
         ("grpc.max_receive_message_length", limit),
@@ -117,9 +112,13 @@ def pull_errors_abort(context: grpc.ServicerContext) -> Iterator[None]:
 
 
 class _Servicer:
-    def __init__(self, producer: KVProducer, secret: str):
+    def __init__(self, producer: KVProducer, secret: str, offers: Sequence[str]):
+        from pdcluster.kv_transfer.transports.selection import node_id
+
         self.producer = producer
         self._secret = secret.encode()
+        self._node_id = node_id()
+        self._offers = list(offers)
 
     def authorize(self, context: grpc.ServicerContext) -> None:
         presented = b""
@@ -143,6 +142,9 @@ class _Servicer:
             engine_id=self.producer.engine_id,
             layout=layout_to_pb(self.producer.layout),
             error=error,
+            node_id=self._node_id,
+            device_kind=self.producer.cache.device.type,
+            offers=self._offers,
         )
 
     def pull(self, request: pb.PullRequest, context):
@@ -178,10 +180,11 @@ class GrpcServer(TransportServer):
         producer: KVProducer,
         host: str,
         port: int,
-        settings: TransportSettings,
+        settings: KVTransferSettings,
         extensions: Sequence[ServerExtension] = (),
+        offers: Sequence[str] = ("grpc",),
     ):
-        servicer = _Servicer(producer, settings.secret)
+        servicer = _Servicer(producer, settings.secret_value(), offers)
         self._extensions = list(extensions)
         handlers = {
             "Handshake": grpc.unary_unary_rpc_method_handler(
@@ -203,14 +206,10 @@ class GrpcServer(TransportServer):
         for extension in self._extensions:
             handlers.update(extension.handlers(servicer.authorize))
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=settings.server_threads, thread_name_prefix="kv-grpc"
-            ),
+            futures.ThreadPoolExecutor(max_workers=settings.server_threads, thread_name_prefix="kv-grpc"),
             options=[*_channel_options(settings), ("grpc.so_reuseport", 0)],
         )
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
-        )
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:
@@ -253,7 +252,7 @@ def translate(exc: grpc.RpcError, endpoint: str, what: str) -> KVTransferError:
 
 
 class GrpcClient(TransportClient):
-    def __init__(self, endpoint: str, settings: TransportSettings):
+    def __init__(self, endpoint: str, settings: KVTransferSettings):
         self.endpoint = endpoint
         self.settings = settings
         self.channel = grpc.insecure_channel(
@@ -264,7 +263,7 @@ class GrpcClient(TransportClient):
                 # (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ],
         )
-        self.metadata = ((SECRET_METADATA_KEY, settings.secret),)
+        self.metadata = ((SECRET_METADATA_KEY, settings.secret_value()),)
         self._handshake = self.channel.unary_unary(
             f"/{SERVICE}/Handshake",
             request_serializer=pb.HandshakeRequest.SerializeToString,
@@ -283,7 +282,7 @@ class GrpcClient(TransportClient):
         self._digest: int | None = None
         self._remote_layout: KVLayout | None = None
 
-    def handshake(self, local_layout: KVLayout, engine_id: str) -> KVLayout:
+    def handshake(self, local_layout: KVLayout, engine_id: str) -> ProducerInfo:
         request = pb.HandshakeRequest(
             protocol_version=PROTOCOL_VERSION, engine_id=engine_id, layout=layout_to_pb(local_layout)
         )
@@ -291,7 +290,7 @@ class GrpcClient(TransportClient):
             reply = self._handshake(
                 request,
                 metadata=self.metadata,
-                timeout=self.settings.connect_timeout_s,
+                timeout=self.settings.connect_timeout_seconds,
                 wait_for_ready=True,
             )
         except grpc.RpcError as exc:
@@ -300,12 +299,16 @@ class GrpcClient(TransportClient):
             raise HandshakeError(reply.error)
         check_protocol_version(reply.protocol_version, remote_role="prefill (producer)")
         remote = layout_from_pb(reply.layout)
-        compare_layouts(
-            local_layout, remote, local_role="decode (consumer)", remote_role="prefill (producer)"
-        )
+        compare_layouts(local_layout, remote, local_role="decode (consumer)", remote_role="prefill (producer)")
         self._digest = layout_digest(local_layout)
         self._remote_layout = remote
-        return remote
+        return ProducerInfo(
+            engine_id=reply.engine_id,
+            layout=remote,
+            node_id=reply.node_id,
+            device_kind=reply.device_kind,
+            offers=tuple(reply.offers),
+        )
 
     def pull_request(self, request_id: str, block_ids: Sequence[int], engine_id: str) -> pb.PullRequest:
         """The PullRequest every backend sends (raises before a successful handshake)."""
@@ -334,8 +337,7 @@ class GrpcClient(TransportClient):
         expected = len(block_ids) * self._remote_layout.bytes_per_block()
         if received != expected:
             raise KVTransferError(
-                f"KV pull of {request_id} from {self.endpoint} ended after {received} of "
-                f"{expected} bytes"
+                f"KV pull of {request_id} from {self.endpoint} ended after {received} of {expected} bytes"
             )
         return received
 
@@ -356,8 +358,7 @@ class GrpcClient(TransportClient):
                 chunk = self.check_chunk(header, len(block_ids))
                 if len(data) != chunk.nbytes:
                     raise KVTransferError(
-                        f"KV chunk {header} from {self.endpoint} has {len(data)} bytes, "
-                        f"expected {chunk.nbytes}"
+                        f"KV chunk {header} from {self.endpoint} has {len(data)} bytes, expected {chunk.nbytes}"
                     )
                 sink(chunk, data)
                 received += chunk.nbytes
@@ -369,9 +370,7 @@ class GrpcClient(TransportClient):
         return self.check_total(request_id, block_ids, received)
 
     def release(self, request_id: str, *, transferred: bool, engine_id: str, timeout_s: float) -> bool:
-        request = pb.ReleaseRequest(
-            request_id=request_id, transferred=transferred, consumer_engine_id=engine_id
-        )
+        request = pb.ReleaseRequest(request_id=request_id, transferred=transferred, consumer_engine_id=engine_id)
         try:
             return self._release(request, metadata=self.metadata, timeout=timeout_s).released
         except grpc.RpcError as exc:

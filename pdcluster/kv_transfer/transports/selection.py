@@ -1,7 +1,7 @@
 """Which backend a P/D pair uses, decided by the consumer, where both endpoints are known.
 
-The producer advertises, in the kv_transfer_params of every prefill, its node identity, its KV
-cache's device kind and the backends its control server offers (`offered_backends`). The
+The producer's KV server tells, in the handshake of each connection (protocol.ProducerInfo), its
+node identity, its KV cache's device kind and the backends it offers (`offered_backends`). The
 consumer's `kv_transfer.backend` then decides (`choose_backend`):
   auto        shm on the same node; else collective when both caches are on the same kind of
               accelerator (NCCL / HCCL); else grpc
@@ -61,11 +61,7 @@ def choose_backend(
     if configured == "auto":
         if same_node and "shm" in remote_offers:
             return "shm"
-        if (
-            local_device in ACCELERATORS
-            and remote_device == local_device
-            and "collective" in remote_offers
-        ):
+        if local_device in ACCELERATORS and remote_device == local_device and "collective" in remote_offers:
             return "collective"
         if "grpc" in remote_offers:
             return "grpc"

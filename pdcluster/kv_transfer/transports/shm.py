@@ -40,6 +40,7 @@ import grpc
 from pdcluster.errors import HandshakeError, KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import Pool
 from pdcluster.kv_transfer.transports import cma
 from pdcluster.kv_transfer.transports.base import (
@@ -49,7 +50,6 @@ from pdcluster.kv_transfer.transports.base import (
     ServerExtension,
     Transport,
     TransportClient,
-    TransportSettings,
 )
 from pdcluster.kv_transfer.transports.grpc_transport import (
     SERVICE,
@@ -88,8 +88,7 @@ class Segment:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise KVTransferError(
-                    f"shared-memory segment {name} has {os.fstat(fd).st_size} bytes, "
-                    f"the producer announced {size}"
+                    f"shared-memory segment {name} has {os.fstat(fd).st_size} bytes, the producer announced {size}"
                 )
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
@@ -240,22 +239,17 @@ class ShmExtension(ServerExtension):
             )
         row_bytes = self.producer.cache.block_bytes
         push_from = layers // 2
-        with self.producer.leased(
-            pull.request_id, list(pull.block_ids), pull.protocol_version, pull.layout_digest
-        ):
-            yield pb.ShmChunk(
-                pid=os.getpid(), layer_addresses=self._addresses, push_from_layer=push_from
-            )
+        with self.producer.leased(pull.request_id, list(pull.block_ids), pull.protocol_version, pull.layout_digest):
+            yield pb.ShmChunk(pid=os.getpid(), layer_addresses=self._addresses, push_from_layer=push_from)
             pushed = layers - push_from
             local = cma.block_iovecs(self._addresses[push_from:], row_bytes[push_from:], pull.block_ids)
-            remote = cma.block_iovecs(
-                first.layer_addresses[push_from:], row_bytes[push_from:], first.block_ids
-            )
+            remote = cma.block_iovecs(first.layer_addresses[push_from:], row_bytes[push_from:], first.block_ids)
             try:
                 cma.copy(first.pid, local, remote, write=True)
             except (OSError, KVTransferError) as exc:
-                logger.warning("pushing KV of %s to pid %d failed (%s); the consumer reads it",
-                               pull.request_id, first.pid, exc)
+                logger.warning(
+                    "pushing KV of %s to pid %d failed (%s); the consumer reads it", pull.request_id, first.pid, exc
+                )
                 pushed = 0
             yield pb.ShmChunk(pushed=True, pushed_layers=pushed)
             consumed.wait_for(1)
@@ -278,13 +272,13 @@ class _DirectRefused(Exception):
 class _DirectRead:
     """Consumer side of a direct pull: read layers [a, b) from the producer's cache into ours."""
 
-    def __init__(self, note: pb.ShmChunk, layout, block_ids: Sequence[int], sink: CacheSink,
-                 rows: list[tuple[int, int]]):
+    def __init__(
+        self, note: pb.ShmChunk, layout, block_ids: Sequence[int], sink: CacheSink, rows: list[tuple[int, int]]
+    ):
         self.row_bytes = [spec.block_bytes for spec in layout.layers]
         if len(note.layer_addresses) != len(rows) or [r for _, r in rows] != self.row_bytes:
             raise KVTransferError(
-                f"direct shm notice names {len(note.layer_addresses)} layers, "
-                f"this cache has {len(rows)}"
+                f"direct shm notice names {len(note.layer_addresses)} layers, this cache has {len(rows)}"
             )
         if not 0 <= note.push_from_layer <= len(rows):
             raise KVTransferError(f"direct shm notice pushes from layer {note.push_from_layer}")
@@ -294,12 +288,8 @@ class _DirectRead:
         """Copy layers [start, stop) of our blocks out of the producer's cache."""
         if start >= stop:
             return
-        remote = cma.block_iovecs(
-            self.note.layer_addresses[start:stop], self.row_bytes[start:stop], self.block_ids
-        )
-        local = cma.block_iovecs(
-            [a for a, _ in self.rows[start:stop]], self.row_bytes[start:stop], self.sink.block_ids
-        )
+        remote = cma.block_iovecs(self.note.layer_addresses[start:stop], self.row_bytes[start:stop], self.block_ids)
+        local = cma.block_iovecs([a for a, _ in self.rows[start:stop]], self.row_bytes[start:stop], self.sink.block_ids)
         try:
             cma.copy(self.note.pid, local, remote)
         except OSError as exc:
@@ -326,7 +316,7 @@ class _DirectRead:
 
 
 class ShmClient(GrpcClient):
-    def __init__(self, endpoint: str, settings: TransportSettings):
+    def __init__(self, endpoint: str, settings: KVTransferSettings):
         super().__init__(endpoint, settings)
         self._shm_pull = self.channel.stream_stream(
             f"/{SERVICE}/ShmPull",
@@ -373,7 +363,8 @@ class ShmClient(GrpcClient):
                 self.direct = False
                 logger.warning(
                     "direct reads from %s refused (%s); using the shared-memory ring from now on",
-                    self.endpoint, exc,
+                    self.endpoint,
+                    exc,
                 )
         return self._pull_shm(request, block_ids, sink, timeout_s, None)
 
@@ -392,8 +383,11 @@ class ShmClient(GrpcClient):
             assert isinstance(sink, CacheSink)
             outbox.put(
                 pb.ShmPullRequest(
-                    pull=request, direct=True, pid=os.getpid(),
-                    layer_addresses=[address for address, _ in rows], block_ids=sink.block_ids,
+                    pull=request,
+                    direct=True,
+                    pid=os.getpid(),
+                    layer_addresses=[address for address, _ in rows],
+                    block_ids=sink.block_ids,
                 )
             )
 
@@ -414,7 +408,8 @@ class ShmClient(GrpcClient):
                     assert isinstance(sink, CacheSink) and self._remote_layout is not None
                     if note.pid:
                         self._peer = pb.ShmChunk(
-                            pid=note.pid, layer_addresses=note.layer_addresses,
+                            pid=note.pid,
+                            layer_addresses=note.layer_addresses,
                             push_from_layer=note.push_from_layer,
                         )
                         if early is not None and early.note == self._peer:
@@ -453,9 +448,7 @@ class ShmClient(GrpcClient):
         self._settling.add(call)
         call.add_done_callback(self._settling.discard)
 
-    def _read_early(
-        self, block_ids: Sequence[int], sink: ChunkSink, rows: list[tuple[int, int]]
-    ) -> _DirectRead | None:
+    def _read_early(self, block_ids: Sequence[int], sink: ChunkSink, rows: list[tuple[int, int]]) -> _DirectRead | None:
         """Copy our half of the layers before the producer's notice arrives; None if we cannot.
 
         Safe because blocks are only ever freed after their lease is released or expired, and a

@@ -1,0 +1,113 @@
+"""Why a KV pull failed, told to the engine's own HTTP answer for that request.
+
+With `kv_transfer.failure_policy: fail` vLLM finishes a request whose load failed with an error,
+and its OpenAI server answers "Internal server error": the reason lives in the connector's worker
+half (the process holding the KV cache), the answer is written by the engine's API process. This
+is the channel between the two, used for nothing else:
+
+- The engine host opens a Unix datagram socket in a private directory (`FailureInbox`) and names
+  it in the environment its engine processes inherit (FAILURE_SOCKET_ENV).
+- With that policy, the worker half sends one datagram per failed pull (`report_failure`) *before*
+  it reports the load as failed to vLLM, so the datagram is in the socket when the error reaches
+  the API process. The send never blocks: a report that finds the socket full is dropped (and
+  logged), and the client gets vLLM's own error for that request.
+- The API process reads the socket as reports arrive, and the engine app's middleware
+  (engine/kv_errors.py) looks a reason up by the request's lease (`remote_request_id` of its
+  kv_transfer_params): an exact key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FAILURE_SOCKET_ENV = "PDCLUSTER_KV_FAILURE_SOCKET"
+MAX_REASON_CHARS = 2000
+MAX_KEPT = 1024  # reasons kept for answers not yet written (the oldest go first)
+
+
+def report_failure(lease_request_id: str, producer_engine_id: str, reason: str) -> None:
+    """Tell this engine's API process why the pull of `lease_request_id` failed (best effort:
+    without the channel the client gets vLLM's own error)."""
+    path = os.environ.get(FAILURE_SOCKET_ENV)
+    if not path:
+        return
+    message = json.dumps(
+        {"lease": lease_request_id, "producer": producer_engine_id, "reason": reason[:MAX_REASON_CHARS]}
+    ).encode()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(message, socket.MSG_DONTWAIT, path)
+    except BlockingIOError:
+        logger.warning("the KV failure inbox is full; the failure of %s goes unexplained", lease_request_id)
+    except OSError as exc:
+        logger.warning("could not report the KV failure of %s to the API process: %s", lease_request_id, exc)
+
+
+class FailureInbox:
+    """The API process's end: reasons by lease request id. A thread moves each report out of the
+    socket as it arrives (the kernel queues only a few datagrams per socket); `take` drains what
+    is left first, so a report sent before the failure was reported is always found."""
+
+    def __init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="pdcluster-kv-failures-"))  # mode 0700
+        self.path = str(self._dir / "inbox")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._sock.setblocking(False)
+        self._reasons: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        self._reader = threading.Thread(target=self._read, name="kv-failure-inbox", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            ready, _, _ = select.select([self._sock, self._wake_r], [], [])
+            if self._wake_r in ready:
+                return
+            self.drain()
+
+    def drain(self) -> None:
+        """Move what the socket holds into the table (never waits)."""
+        with self._lock:
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            try:
+                message = json.loads(data)
+                self._reasons[str(message["lease"])] = (str(message["producer"]), str(message["reason"]))
+            except (ValueError, KeyError, TypeError):
+                logger.warning("ignored a malformed KV failure report")
+                continue
+            while len(self._reasons) > MAX_KEPT:
+                self._reasons.popitem(last=False)
+
+    def take(self, lease_request_id: str) -> tuple[str, str] | None:
+        """(producer engine id, reason) of the failed pull of that lease, once; None if none."""
+        with self._lock:
+            self._drain()
+            return self._reasons.pop(lease_request_id, None)
+
+    def close(self) -> None:
+        os.write(self._wake_w, b"x")
+        self._reader.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._sock.close()
+        Path(self.path).unlink(missing_ok=True)
+        self._dir.rmdir()

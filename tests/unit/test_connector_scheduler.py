@@ -1,0 +1,220 @@
+"""The connector's scheduler half inside vLLM's own scheduler: block mapping of pulls.
+
+A real `vllm.v1.core.sched.scheduler.Scheduler` (CPU block size 128, prefix caching on) loads
+PDConnector in the scheduler role the way an engine core does; requests are vLLM `Request`s
+carrying a producer's `KVParams`. No model runs: the scheduler's first step plans each pull, and
+that plan (the step's PDConnectorMetadata) is what is checked: which producer blocks go into
+which local blocks, after the blocks decode's own prefix cache already holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+
+import pytest
+import torch
+
+from pdcluster.kv_transfer.metadata import PDConnectorMetadata
+from pdcluster.kv_transfer.params import ASK_PREFILL, PULL_PLANNED, KVParams
+from pdcluster.kv_transfer.settings import KVTransferSettings
+from tests.support.engines import MODEL
+
+BLOCK = 128
+NUM_BLOCKS = 64
+_ids = itertools.count()
+
+
+def vllm_config(tmp_path, role: str):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    secret = tmp_path / "secret"
+    secret.write_text("scheduler-test-secret")
+    kv = KVTransferConfig(
+        kv_connector="PDConnector",
+        kv_connector_module_path="pdcluster.kv_transfer.connector",
+        kv_role=role,
+        engine_id=f"test-{role}",
+        kv_connector_extra_config=KVTransferSettings(port_range=(0, 0)).connector_config(str(secret)),
+    )
+    args = EngineArgs(
+        model=str(MODEL),
+        enforce_eager=True,
+        max_model_len=1024,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        kv_transfer_config=kv,
+    )
+    return args.create_engine_config()
+
+
+def make_scheduler(config):
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets once it sized the cache
+    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return scheduler, get_request_block_hasher(BLOCK, hash_fn)
+
+
+@pytest.fixture(scope="module")
+def consumer_config(tmp_path_factory):
+    return vllm_config(tmp_path_factory.mktemp("consumer"), "kv_consumer")
+
+
+@pytest.fixture
+def consumer(consumer_config):
+    return make_scheduler(consumer_config)
+
+
+def request(hasher, tokens, params=None, max_tokens=4):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sampling = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(f"req-{next(_ids)}", list(tokens), sampling, None, block_hasher=hasher)
+
+
+def lease(num_tokens, blocks) -> dict:
+    return KVParams(
+        remote_engine_id="prefill-0",
+        remote_request_id=f"p-{next(_ids)}",
+        remote_endpoints=("127.0.0.1:1",),
+        remote_block_ids=tuple(blocks),
+        remote_num_tokens=num_tokens,
+        remote_lease_expiry=time.time() + 30,
+    ).to_dict()
+
+
+def step(scheduler) -> PDConnectorMetadata:
+    meta = scheduler.schedule().kv_connector_metadata
+    assert isinstance(meta, PDConnectorMetadata)
+    return meta
+
+
+def local_blocks(scheduler, req) -> list[int]:
+    (group,) = scheduler.kv_cache_manager.get_blocks(req.request_id).get_block_ids()
+    return group
+
+
+PROMPT = list(range(1000, 1000 + 5 * BLOCK))  # token ids of a five-block prompt
+
+
+@pytest.mark.parametrize("length", [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 44])
+def test_every_producer_block_goes_to_the_local_block_at_its_position(consumer, length):
+    scheduler, hasher = consumer
+    remote = [40 + 3 * i for i in range(-(-length // BLOCK))]
+    req = request(hasher, PROMPT[:length], lease(length, remote))
+    scheduler.add_request(req)
+    (pull,) = step(scheduler).pulls
+    assert pull.request_id == req.request_id and pull.remote_block_ids == tuple(remote)
+    assert pull.local_block_ids == tuple(local_blocks(scheduler, req))  # all of them, in order
+    assert req.kv_transfer_params[PULL_PLANNED]
+
+
+def test_blocks_in_decodes_prefix_cache_are_not_pulled(consumer):
+    scheduler, hasher = consumer
+    first = request(hasher, PROMPT[: 2 * BLOCK + 10])  # computed here: its two full blocks get cached
+    scheduler.add_request(first)
+    assert step(scheduler).pulls == []
+    cached = local_blocks(scheduler, first)[:2]
+    length = 4 * BLOCK + 7
+    second = request(hasher, PROMPT[:length], lease(length, [50, 51, 52, 53, 54]))
+    scheduler.add_request(second)
+    (pull,) = step(scheduler).pulls
+    blocks = local_blocks(scheduler, second)
+    assert blocks[:2] == cached  # decode's own prefix-cache hit
+    assert pull.remote_block_ids == (52, 53, 54) and pull.local_block_ids == tuple(blocks[2:])
+
+
+def test_mtp_backoff_pulls_only_what_the_producer_computed(consumer):
+    """A producer that stopped short of the prompt (MTP prefill back-off): decode pulls the
+    blocks covering the computed tokens and computes the rest itself; when its prefix cache
+    already covers them all, the lease is released unpulled."""
+    scheduler, hasher = consumer
+    length = 2 * BLOCK + 1
+    short = request(hasher, PROMPT[:length], lease(2 * BLOCK - 1, [60, 61, 62]))
+    scheduler.add_request(short)
+    (pull,) = step(scheduler).pulls
+    assert pull.remote_block_ids == (60, 61) and pull.local_block_ids == tuple(local_blocks(scheduler, short)[:2])
+
+    other = list(range(7000, 7000 + length))
+    local = request(hasher, other)  # computed here: its two full blocks get cached
+    scheduler.add_request(local)
+    step(scheduler)
+    covered = request(hasher, other, lease(2 * BLOCK, [70, 71, 72]))  # all the producer computed
+    scheduler.add_request(covered)
+    meta = step(scheduler)
+    assert meta.pulls == [] and [r.remote.remote_request_id for r in meta.releases] == [
+        covered.kv_transfer_params["remote_request_id"]
+    ]
+
+
+def test_asking_for_matched_tokens_changes_nothing(consumer):
+    scheduler, hasher = consumer
+    req = request(hasher, PROMPT[:300], lease(300, [1, 2, 3]))
+    before = copy.deepcopy(req.kv_transfer_params)
+    connector = scheduler.connector
+    answers = {connector.get_num_new_matched_tokens(req, computed) for computed in (0, 0, 128, 0)}
+    assert answers == {(300, True), (172, True)}
+    assert req.kv_transfer_params == before
+    assert connector.build_connector_meta(None) == PDConnectorMetadata()  # nothing planned
+
+
+def test_malformed_params_compute_locally(consumer):
+    scheduler, hasher = consumer
+    bad = lease(300, [1, 2, 3])
+    bad["remote_block_ids"] = "1,2,3"
+    req = request(hasher, PROMPT[:300], bad)
+    scheduler.add_request(req)
+    meta = step(scheduler)
+    assert meta.pulls == [] and meta.releases == []
+    assert req.kv_transfer_params[PULL_PLANNED]  # decided once
+    assert req.num_computed_tokens == 300  # the whole prompt scheduled for local compute
+
+
+def test_a_request_dropped_before_its_pull_releases_the_lease(consumer):
+    from vllm.v1.request import RequestStatus
+
+    scheduler, hasher = consumer
+    req = request(hasher, PROMPT[:200], lease(200, [5, 6]))
+    scheduler.add_request(req)
+    scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    meta = step(scheduler)
+    assert meta.pulls == [] and len(meta.releases) == 1
+    assert meta.releases[0].remote.remote_block_ids == (5, 6)
+
+
+def test_producer_leases_what_it_computed(tmp_path):
+    from vllm.v1.request import RequestStatus
+
+    from pdcluster.kv_transfer.metadata import PDHandshakeMetadata
+
+    scheduler, hasher = make_scheduler(vllm_config(tmp_path, "kv_producer"))
+    connector = scheduler.connector
+    connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata(endpoint="10.0.0.5:47001")})
+    req = request(hasher, PROMPT[:300], dict(ASK_PREFILL), max_tokens=1)
+    scheduler.add_request(req)
+    step(scheduler)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    blocks = local_blocks(scheduler, req)
+    keep, params = connector.request_finished(req, blocks)
+    assert keep is True
+    given = KVParams.from_dict(params)
+    assert given.remote_block_ids == tuple(blocks) and given.remote_endpoints == ("10.0.0.5:47001",)
+    assert given.remote_num_tokens == 300 and given.remote_request_id == req.request_id
+    (held,) = connector.build_connector_meta(None).new_leases
+    assert held.block_ids == tuple(blocks) and abs(held.expiry_unix - given.remote_lease_expiry) < 1e-6

@@ -1,0 +1,61 @@
+"""`KVParams`: the typed kv_transfer_params every side reads (producer, router, consumer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.kv_transfer import params as kvp
+from pdcluster.kv_transfer.params import KVParams
+
+LEASE = KVParams(
+    remote_engine_id="c-prefill-0",
+    remote_request_id="cmpl-1-0",
+    remote_endpoints=("10.0.0.1:47000",),
+    remote_block_ids=(4, 9, 2),
+    remote_num_tokens=300,
+    remote_lease_expiry=1764567890.5,
+)
+
+
+def test_round_trip_and_flags():
+    params = LEASE.to_dict()
+    assert KVParams.from_dict(params) == LEASE
+    assert kvp.wants_remote_prefill(params) and not kvp.wants_remote_decode(params)
+    assert kvp.wants_remote_decode(kvp.ASK_PREFILL) and not kvp.wants_remote_prefill(kvp.ASK_PREFILL)
+    # Only what belongs to this request travels: nothing static per producer engine.
+    assert set(params) == {
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_endpoints",
+        "remote_block_ids",
+        "remote_num_tokens",
+        "remote_lease_expiry",
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"remote_block_ids": None}, "malformed"),
+        ({"remote_endpoints": []}, "non-empty lists"),
+        ({"remote_block_ids": [1, "2"]}, "not an integer"),
+        ({"remote_block_ids": [1, True]}, "not an integer"),
+        ({"remote_block_ids": [-1]}, "negative"),
+        ({"remote_num_tokens": 3.5}, "not an integer"),
+        ({"remote_lease_expiry": "soon"}, "malformed"),
+    ],
+)
+def test_malformed_params_name_the_problem(change, message):
+    with pytest.raises(ValueError, match=message):
+        KVParams.from_dict({**LEASE.to_dict(), **change})
+
+
+def test_missing_key_is_named():
+    params = LEASE.to_dict()
+    del params["remote_request_id"]
+    with pytest.raises(ValueError, match="lacks 'remote_request_id'"):
+        KVParams.from_dict(params)
+    with pytest.raises(ValueError, match="must be an object"):
+        KVParams.from_dict(["not", "a", "dict"])
