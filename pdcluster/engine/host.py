@@ -12,28 +12,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from typing import Any
 
+from pdcluster import compat
+from pdcluster.engine.kv_errors import KVErrorAnswers
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.engine.stats import EngineStatsRecorder
+from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
 
 logger = logging.getLogger(__name__)
 
 
 def frontend_args(spec: EngineSpec, host: str, port: int):
     """vLLM's OpenAI-server argument namespace, for the frontend parts of the app."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser())
-    return parser.parse_args(
+    return compat.openai_frontend_args(
         [
-            "--model", spec.model,
-            "--served-model-name", spec.name,
-            "--host", host,
-            "--port", str(port),
+            "--model",
+            spec.model,
+            "--served-model-name",
+            spec.name,
+            "--host",
+            host,
+            "--port",
+            str(port),
             "--disable-uvicorn-access-log",
             "--disable-fastapi-docs",
         ]
@@ -54,6 +58,7 @@ class EngineHost:
         self._server = None
         self._serve_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
+        self._failures: FailureInbox | None = None
 
     async def start(self) -> str:
         """Start the engine and the HTTP app; returns the base URL once both accept requests."""
@@ -63,7 +68,13 @@ class EngineHost:
 
         from pdcluster.vllm_plugin import request_amx_permission
 
+        compat.require_tested_vllm()
         request_amx_permission()
+        if self.spec.role == "decode":
+            # Why a KV pull failed reaches this process's answers (kv_errors.py); the engine's
+            # processes, spawned below, inherit where to send it.
+            self._failures = FailureInbox()
+            os.environ[FAILURE_SOCKET_ENV] = self._failures.path
         engine_args = AsyncEngineArgs(**self.spec.engine_kwargs())
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         self._note_async_scheduling(vllm_config)
@@ -84,9 +95,7 @@ class EngineHost:
         app = await self._build_app(port)
         import uvicorn
 
-        config = uvicorn.Config(
-            app, log_level="warning", access_log=False, timeout_keep_alive=30, lifespan="on"
-        )
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30, lifespan="on")
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self.url = f"http://{self.spec.http_advertise_host or self.spec.http_host}:{port}"
@@ -95,25 +104,15 @@ class EngineHost:
         return self.url
 
     async def _build_app(self, port: int):
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.app import build_app
-
         args = frontend_args(self.spec, self.spec.http_host, port)
-        supported_tasks = await self.engine.get_supported_tasks()
-        app = build_app(args, supported_tasks, self.engine.model_config)
-        await init_app_state(self.engine, app.state, args, supported_tasks)
+        app = await compat.build_openai_app(self.engine, args)
 
         async def pdcluster_info() -> dict[str, Any]:
             return self.info()
 
-        async def pdcluster_kv_failure(request_id: str) -> dict[str, Any]:
-            found = self.stats.kv_failure(request_id)
-            if found is None:
-                return {"request_id": request_id, "failure": None}
-            return {"request_id": found[0], "failure": found[1]}
-
         app.add_api_route("/pdcluster/info", pdcluster_info, methods=["GET"])
-        app.add_api_route("/pdcluster/kv_failure", pdcluster_kv_failure, methods=["GET"])
+        if self._failures is not None:
+            return KVErrorAnswers(app, self._failures, self.spec.engine_id)
         return app
 
     def _note_async_scheduling(self, vllm_config) -> None:
@@ -121,23 +120,21 @@ class EngineHost:
         actual = bool(vllm_config.scheduler_config.async_scheduling)
         self.async_scheduling = actual
         if wanted and not actual:
-            from vllm.platforms import current_platform
-
+            device_type, is_cpu = compat.platform_device()
             self.async_scheduling_reason = (
-                f"turned off by vLLM's {current_platform.device_type} platform"
-                if current_platform.is_cpu()
+                f"turned off by vLLM's {device_type} platform"
+                if is_cpu
                 else "turned off by vLLM for this configuration"
             )
             logger.warning(
                 "engine %s: async scheduling requested but %s",
-                self.spec.engine_id, self.async_scheduling_reason,
+                self.spec.engine_id,
+                self.async_scheduling_reason,
             )
 
     def _place_model(self, vllm_config) -> None:
         """CPU engines run their model in the engine-core process where they can (single_process.py)."""
-        from vllm.platforms import current_platform
-
-        if not self.spec.single_process or not current_platform.is_cpu():
+        if not self.spec.single_process or not compat.platform_device()[1]:
             self.single_process = False
             return
         from pdcluster.engine.single_process import explicit_cores, use_single_process
@@ -180,3 +177,6 @@ class EngineHost:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._failures is not None:
+            self._failures.close()
+            self._failures = None

@@ -2,19 +2,18 @@
 
 `EngineStatsRecorder` is a vLLM stat logger: AsyncLLM calls `record` with the scheduler's stats
 after every engine step, and we keep the latest gauges (running/waiting requests, KV cache
-usage) plus running totals of speculative-decoding counters.
+usage) plus running totals of speculative-decoding counters. The base class and the stats
+fields we read are shape-checked by pdcluster.compat (stat_logger_base): vLLM does not promise
+to keep them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm.v1.metrics.loggers import StatLoggerBase
-
-MAX_FAILURES = 1000
+from pdcluster import compat
 
 
 @dataclass
@@ -55,11 +54,10 @@ class EngineStats:
         return out
 
 
-class EngineStatsRecorder(StatLoggerBase):
+class EngineStatsRecorder(compat.stat_logger_base()):
     def __init__(self, vllm_config: Any = None, engine_index: int = 0):
         self._lock = threading.Lock()
         self._stats = EngineStats()
-        self._failures: OrderedDict[str, str] = OrderedDict()
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if scheduler_stats is None:
@@ -81,25 +79,12 @@ class EngineStatsRecorder(StatLoggerBase):
                     if key == "backends":
                         s.kv_backends.update(value)
                         continue
-                    if key == "failures":
-                        self._failures.update(value)
-                        while len(self._failures) > MAX_FAILURES:
-                            self._failures.popitem(last=False)
-                        continue
                     name = f"kv_{key}"
                     if hasattr(s, name):
                         setattr(s, name, getattr(s, name) + value)
 
     def log_engine_initialized(self) -> None:
         return
-
-    def kv_failure(self, request_id: str) -> tuple[str, str] | None:
-        """The latest KV pull failure of a request whose engine id contains `request_id`."""
-        with self._lock:
-            for engine_id in reversed(self._failures):
-                if request_id in engine_id:
-                    return engine_id, self._failures[engine_id]
-        return None
 
     def snapshot(self) -> EngineStats:
         with self._lock:
