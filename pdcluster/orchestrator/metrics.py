@@ -20,7 +20,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pdcluster.engine.actor import process_tree_rss
 
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    60.0,
 )
 WINDOW_S = 60.0
 
@@ -72,18 +87,42 @@ class _EngineCollector:
         self._source = source  # callable -> list[dict(replica_id, role, stats)]
 
     def collect(self):
-        running = GaugeMetricFamily("pdcluster_replica_running", "Sequences running in the engine", labels=["replica", "role"])
-        waiting = GaugeMetricFamily("pdcluster_replica_waiting", "Requests waiting in the engine queue", labels=["replica", "role"])
-        kv_usage = GaugeMetricFamily("pdcluster_replica_kv_cache_usage", "Fraction of KV cache blocks in use", labels=["replica", "role"])
+        running = GaugeMetricFamily(
+            "pdcluster_replica_running", "Sequences running in the engine", labels=["replica", "role"]
+        )
+        waiting = GaugeMetricFamily(
+            "pdcluster_replica_waiting", "Requests waiting in the engine queue", labels=["replica", "role"]
+        )
+        kv_usage = GaugeMetricFamily(
+            "pdcluster_replica_kv_cache_usage", "Fraction of KV cache blocks in use", labels=["replica", "role"]
+        )
         pulls = CounterMetricFamily("pdcluster_kv_pulls", "KV pulls by decode replicas", labels=["replica", "outcome"])
-        kv_bytes = CounterMetricFamily("pdcluster_kv_handoff_bytes", "KV bytes pulled by decode replicas", labels=["replica"])
-        kv_seconds = CounterMetricFamily("pdcluster_kv_pull_seconds", "Time spent in KV pulls (sum; divide by pulls for the mean)", labels=["replica"])
-        leases = CounterMetricFamily("pdcluster_kv_leases", "KV leases ended on prefill replicas", labels=["replica", "outcome"])
+        kv_bytes = CounterMetricFamily(
+            "pdcluster_kv_handoff_bytes", "KV bytes pulled by decode replicas", labels=["replica"]
+        )
+        kv_seconds = CounterMetricFamily(
+            "pdcluster_kv_pull_seconds",
+            "Time spent in KV pulls (sum; divide by pulls for the mean)",
+            labels=["replica"],
+        )
+        leases = CounterMetricFamily(
+            "pdcluster_kv_leases", "KV leases ended on prefill replicas", labels=["replica", "outcome"]
+        )
         drafts = CounterMetricFamily("pdcluster_spec_draft_tokens", "MTP draft tokens proposed", labels=["replica"])
-        accepted = CounterMetricFamily("pdcluster_spec_accepted_tokens", "MTP draft tokens accepted", labels=["replica"])
-        rate = GaugeMetricFamily("pdcluster_spec_acceptance_rate", "Accepted / draft tokens since start", labels=["replica"])
-        length = GaugeMetricFamily("pdcluster_spec_mean_accepted_length", "Tokens per draft round (1 + accepted / rounds)", labels=["replica"])
-        rss = GaugeMetricFamily("pdcluster_replica_rss_bytes", "Resident memory of the replica's actor and engine processes", labels=["replica", "role"])
+        accepted = CounterMetricFamily(
+            "pdcluster_spec_accepted_tokens", "MTP draft tokens accepted", labels=["replica"]
+        )
+        rate = GaugeMetricFamily(
+            "pdcluster_spec_acceptance_rate", "Accepted / draft tokens since start", labels=["replica"]
+        )
+        length = GaugeMetricFamily(
+            "pdcluster_spec_mean_accepted_length", "Tokens per draft round (1 + accepted / rounds)", labels=["replica"]
+        )
+        rss = GaugeMetricFamily(
+            "pdcluster_replica_rss_bytes",
+            "Resident memory of the replica's actor and engine processes",
+            labels=["replica", "role"],
+        )
         for row in self._source():
             stats = row.get("stats") or {}
             rid, role = row["replica_id"], row["role"]
@@ -106,22 +145,51 @@ class _EngineCollector:
             if role == "prefill":
                 leases.add_metric([rid, "released"], stats.get("kv_leases_released", 0))
                 leases.add_metric([rid, "expired"], stats.get("kv_leases_expired", 0))
-        yield from (running, waiting, kv_usage, rss, pulls, kv_bytes, kv_seconds, leases, drafts, accepted, rate, length)
+        yield from (
+            running,
+            waiting,
+            kv_usage,
+            rss,
+            pulls,
+            kv_bytes,
+            kv_seconds,
+            leases,
+            drafts,
+            accepted,
+            rate,
+            length,
+        )
 
 
 class RouterMetrics:
     def __init__(self, engine_rows) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdcluster_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
-        self.ttft = Histogram("pdcluster_ttft_seconds", "Time to first token (router view)", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdcluster_itl_seconds", "Inter-token latency (router view)", buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "pdcluster_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdcluster_ttft_seconds", "Time to first token (router view)", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pdcluster_itl_seconds", "Inter-token latency (router view)", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.e2e = Histogram("pdcluster_e2e_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill = Histogram("pdcluster_prefill_seconds", "Prefill phase incl. KV lease setup", buckets=LATENCY_BUCKETS, registry=r)
-        self.inflight = Gauge("pdcluster_replica_inflight", "Requests the router has in flight per replica", ["replica", "role"], registry=r)
+        self.prefill = Histogram(
+            "pdcluster_prefill_seconds", "Prefill phase incl. KV lease setup", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.inflight = Gauge(
+            "pdcluster_replica_inflight",
+            "Requests the router has in flight per replica",
+            ["replica", "role"],
+            registry=r,
+        )
         self.retries = Counter("pdcluster_retries", "Phase retries on another replica", ["role"], registry=r)
         self.first_token_source = Counter(
-            "pdcluster_first_token_source", "Disaggregated requests by the replica whose first token the client got", ["role"], registry=r
+            "pdcluster_first_token_source",
+            "Disaggregated requests by the replica whose first token the client got",
+            ["role"],
+            registry=r,
         )
         router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
         router_rss.set_function(process_tree_rss)  # as `status` reports it

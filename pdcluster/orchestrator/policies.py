@@ -45,9 +45,7 @@ class Policy:
 
     def choose(self, candidates: Sequence[ReplicaLoad], role: str, exclude: set[str] = frozenset()) -> ReplicaLoad:
         ready = [
-            r
-            for r in candidates
-            if r.role == role and r.state == ReplicaState.READY and r.replica_id not in exclude
+            r for r in candidates if r.role == role and r.state == ReplicaState.READY and r.replica_id not in exclude
         ]
         if not ready:
             raise NoReplicaError(f"no ready {role} replica")

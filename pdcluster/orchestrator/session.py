@@ -83,7 +83,10 @@ def start_local_head(num_cpus: int | None, log_path: Path) -> tuple[str, int]:
     """Start `ray start --head --block` in its own process group; return (address, pid)."""
     port = free_port()
     cmd = [
-        *ray_command(), "start", "--head", "--block",
+        *ray_command(),
+        "start",
+        "--head",
+        "--block",
         "--node-ip-address=127.0.0.1",
         f"--port={port}",
         "--include-dashboard=false",
@@ -104,7 +107,9 @@ def start_local_head(num_cpus: int | None, log_path: Path) -> tuple[str, int]:
     while b"Ray runtime started" not in seen:
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_process_group(proc.pid)
-            raise PDClusterError(f"local Ray head did not start (see {log_path}): {seen[-500:].decode(errors='replace')}")
+            raise PDClusterError(
+                f"local Ray head did not start (see {log_path}): {seen[-500:].decode(errors='replace')}"
+            )
         if sel.select(timeout=1.0):
             chunk = os.read(proc.stdout.fileno(), 65536)
             seen += chunk

@@ -1,4 +1,4 @@
-"""The router's first-token-from-prefill split (orchestrator/continuation.py): which requests may
+"""The router's first-token-from-prefill split (orchestrator/router/continuation.py): which requests may
 take it, what the decode replica is asked for, and how its stream is rewritten for the client.
 End to end (token-for-token equal to an aggregated engine, completions and chat): tests/e2e/
 test_cluster.py."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from pdcluster.kv_transfer import params as md
-from pdcluster.orchestrator import continuation as cont
+from pdcluster.kv_transfer.params import KVParams
+from pdcluster.orchestrator.router import continuation as cont
 
 BASE = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "stream": True}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8, "stream": True}
@@ -58,19 +58,23 @@ def prefill_answer(kind: str, text: str = "    return", finish: str = "length", 
     return answer
 
 
+def lease(num_tokens: int = 3) -> KVParams:
+    return KVParams("prefill-0", "p-1", ("127.0.0.1:1",), (0,), num_tokens, 1e10)
+
+
 def test_first_token_only_when_decode_can_continue_after_it():
-    params = {md.REMOTE_NUM_TOKENS: 3}
+    params = lease()
     for kind in ("completions", "chat"):
         first = cont.first_token(prefill_answer(kind), kind, params)
         assert first is not None and (first.token_id, first.text, first.prompt_ids) == (42, "    return", [11, 12, 13])
         assert cont.first_token(prefill_answer(kind, finish="stop"), kind, params) is None  # EOS first
         assert cont.first_token(prefill_answer(kind, text="\ufffd"), kind, params) is None  # half a character
-        assert cont.first_token(prefill_answer(kind), kind, {md.REMOTE_NUM_TOKENS: 2}) is None  # MTP back-off
+        assert cont.first_token(prefill_answer(kind), kind, lease(2)) is None  # MTP back-off
 
 
 def test_decode_body_continues_after_the_first_token_with_one_token_less():
-    first = cont.first_token(prefill_answer("completions"), "completions", {md.REMOTE_NUM_TOKENS: 3})
-    params = {md.REMOTE_NUM_TOKENS: 3, md.DO_REMOTE_PREFILL: True}
+    first = cont.first_token(prefill_answer("completions"), "completions", lease())
+    params = lease().to_dict()
     body = cont.decode_body({**BASE, "min_tokens": 4, "seed": 3}, "completions", first, params)
     assert body["prompt"] == [11, 12, 13, 42]
     assert (body["max_tokens"], body["min_tokens"], body["seed"], body["kv_transfer_params"]) == (7, 3, 3, params)
@@ -81,20 +85,31 @@ def test_decode_body_continues_after_the_first_token_with_one_token_less():
 
 
 def test_continuation_stream_reads_as_the_clients_own_request():
-    first = cont.first_token(prefill_answer("chat"), "chat", {md.REMOTE_NUM_TOKENS: 3})
-    head = [json.loads(line[6:]) for line in cont.prelude(first, "chat", CHAT) if line]
+    first = cont.first_token(prefill_answer("chat"), "chat", lease())
+    head = cont.prelude(first, "chat", CHAT)
     assert [e["choices"][0]["delta"] for e in head] == [{"role": "assistant", "content": ""}, {"content": "    return"}]
     assert all("usage" not in e for e in head)
     continuous = {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    counted = [json.loads(line[6:])["usage"] for line in cont.prelude(first, "chat", continuous) if line]
+    counted = [e["usage"] for e in cont.prelude(first, "chat", continuous)]
     assert [(u["prompt_tokens"], u["completion_tokens"]) for u in counted] == [(3, 0), (3, 1)]
-    chunk = {"id": "cmpl-d", "object": "text_completion", "created": 1, "model": "tiny",
-             "choices": [{"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}]}
-    out = json.loads(cont.rewrite("data: " + json.dumps(chunk), "chat", first)[6:])
+    chunk = {
+        "id": "cmpl-d",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}],
+    }
+    out = cont.rewrite(chunk, "chat", first)
     assert (out["id"], out["object"]) == ("cmpl-p", "chat.completion.chunk")
-    assert out["choices"] == [{"index": 0, "delta": {"content": " x"}, "logprobs": None, "finish_reason": "length", "stop_reason": None}]
+    assert out["choices"] == [
+        {"index": 0, "delta": {"content": " x"}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    ]
     usage = {"id": "cmpl-d", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}
-    counted = json.loads(cont.rewrite("data: " + json.dumps(usage), "chat", first)[6:])["usage"]
-    assert counted == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
-    for line in ("data: [DONE]", "", 'data: {"error": {"message": "boom"}}'):
-        assert cont.rewrite(line, "chat", first) == line
+    assert cont.rewrite(usage, "chat", first)["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 8,
+        "total_tokens": 11,
+    }
+    completions = cont.first_token(prefill_answer("completions"), "completions", lease())
+    out = cont.rewrite(json.loads(json.dumps(chunk)), "completions", completions)
+    assert (out["id"], out["object"], out["choices"]) == ("cmpl-p", "text_completion", chunk["choices"])

@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 from pathlib import Path
 
 import httpx
 
-from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router, RouterSettings
+from tests.unit.replica_stand_ins import row
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "pdcluster-tiny-code"
-
-
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released): connecting is refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def row(replica_id: str, role: str) -> dict:
-    return {"replica_id": replica_id, "role": role, "url": f"http://127.0.0.1:{closed_port()}",
-            "state": int(ReplicaState.READY), "node": "127.0.0.1", "stats": {}}
 
 
 async def _call(router: Router, path: str, body: dict | None = None) -> httpx.Response:
@@ -56,8 +43,13 @@ def test_every_prefill_unreachable_gives_503_after_trying_each_once():
 def test_aggregated_replicas_unreachable_gives_503():
     router = Router(RouterSettings(model_name="tiny", mode="aggregated", phase_attempts=2))
     router.update_replicas([row("aggregated-0", "aggregated")])
-    response = asyncio.run(_call(router, "/v1/chat/completions",
-                                 {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
+    response = asyncio.run(
+        _call(
+            router,
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+    )
     assert response.status_code == 503, response.text
     assert response.json()["error"]["type"] == "service_unavailable"
 
@@ -77,9 +69,9 @@ def test_prompt_tokens_counted_by_the_tokenizer_loaded_in_the_background():
         router = Router(RouterSettings(model_name="tiny", tokenizer_path=model))
         await router.start("127.0.0.1", 0)  # returns without waiting for the tokenizer
         try:
-            await router._tokenizer_loading
-            counted = [await router._prompt_tokens({"prompt": text}, "completions") for text in (short, long)]
-            by_ids = await router._prompt_tokens({"prompt": [1, 2, 3]}, "completions")
+            await router.tokens.loading
+            counted = [await router.tokens.count({"prompt": text}, "completions") for text in (short, long)]
+            by_ids = await router.tokens.count({"prompt": [1, 2, 3]}, "completions")
         finally:
             await router.stop()
         return counted, by_ids
@@ -94,8 +86,8 @@ def test_a_tokenizer_that_does_not_load_leaves_the_router_estimating(tmp_path, c
         router = Router(RouterSettings(model_name="tiny", tokenizer_path=str(tmp_path / "missing")))
         await router.start("127.0.0.1", 0)
         try:
-            await router._tokenizer_loading
-            return await router._prompt_tokens({"prompt": "x" * 400}, "completions")
+            await router.tokens.loading
+            return await router.tokens.count({"prompt": "x" * 400}, "completions")
         finally:
             await router.stop()
 

@@ -20,25 +20,47 @@ back-off).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.kv_transfer import params as md
+from pdcluster.kv_transfer.params import KVParams
 
 CONTINUATION_PATH = "/v1/completions"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) default for /v1/completions
 
 # Request fields with the same meaning for the continuation (a completions request over token
 # ids that generates one token fewer); `max_tokens`-like limits and `min_tokens` are adjusted.
-CONTINUABLE_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-    "repetition_penalty", "user", "n", "skip_special_tokens", "spaces_between_special_tokens",
-})
+CONTINUABLE_FIELDS = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "repetition_penalty",
+        "user",
+        "n",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+)
 # Other fields are fine while they are off (clients send defaults): "empty" None/""/[], "zero"
 # None/0, "false" None/False (completions' logprobs=0 is not off: it returns a logprob).
-NEUTRAL_WHEN = {"stop": "empty", "presence_penalty": "zero", "frequency_penalty": "zero", "logprobs": "false", "echo": "false"}
+NEUTRAL_WHEN = {
+    "stop": "empty",
+    "presence_penalty": "zero",
+    "frequency_penalty": "zero",
+    "logprobs": "false",
+    "echo": "false",
+}
 _PROMPT_FIELD = {"completions": "prompt", "chat": "messages"}
 
 
@@ -93,7 +115,7 @@ class FirstToken:
     model: str
 
 
-def first_token(answer: dict[str, Any], kind: str, kv_params: dict[str, Any]) -> FirstToken | None:
+def first_token(answer: dict[str, Any], kind: str, lease: KVParams) -> FirstToken | None:
     """The prefill's first token, if the decode replica can continue after it; else None."""
     choices = answer.get("choices") or []
     if len(choices) != 1 or choices[0].get("finish_reason") != "length":
@@ -108,11 +130,14 @@ def first_token(answer: dict[str, Any], kind: str, kv_params: dict[str, Any]) ->
         return None
     if not isinstance(text, str) or text.endswith("\ufffd"):
         return None  # a character split across tokens: its bytes would be decoded apart
-    if kv_params.get(md.REMOTE_NUM_TOKENS) != len(prompt_ids):
+    if lease.remote_num_tokens != len(prompt_ids):
         return None  # the producer computed a shorter prompt (MTP back-off)
     return FirstToken(
-        token_id=int(ids[0]), text=text, prompt_ids=[int(t) for t in prompt_ids],
-        response_id=str(answer.get("id", "")), created=int(answer.get("created", 0)),
+        token_id=int(ids[0]),
+        text=text,
+        prompt_ids=[int(t) for t in prompt_ids],
+        response_id=str(answer.get("id", "")),
+        created=int(answer.get("created", 0)),
         model=str(answer.get("model", "")),
     )
 
@@ -120,7 +145,8 @@ def first_token(answer: dict[str, Any], kind: str, kv_params: dict[str, Any]) ->
 def decode_body(body: dict[str, Any], kind: str, first: FirstToken, kv_params: dict[str, Any]) -> dict[str, Any]:
     """The continuation request for the decode replica (sent to CONTINUATION_PATH)."""
     out = {
-        key: value for key, value in body.items()
+        key: value
+        for key, value in body.items()
         if key in CONTINUABLE_FIELDS and key not in ("max_tokens", "max_completion_tokens", "min_tokens", "n")
     }
     limit = output_limit(body, kind)
@@ -141,35 +167,44 @@ def _event(first: FirstToken, kind: str, choices: list[dict[str, Any]]) -> dict[
     }
 
 
-def prelude(first: FirstToken, kind: str, body: dict[str, Any]) -> list[str]:
-    """SSE lines that stream the first token (chat: the role chunk first, as vLLM does), with
+def prelude(first: FirstToken, kind: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events that stream the first token (chat: the role chunk first, as vLLM does), with
     usage when the client asked for it on every chunk (`continuous_usage_stats`)."""
     if kind == "chat":
         events = [
-            _event(first, kind, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]),
-            _event(first, kind, [{"index": 0, "delta": {"content": first.text}, "logprobs": None, "finish_reason": None}]),
+            _event(
+                first,
+                kind,
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            ),
+            _event(
+                first, kind, [{"index": 0, "delta": {"content": first.text}, "logprobs": None, "finish_reason": None}]
+            ),
         ]
     else:
-        events = [_event(first, kind, [{"index": 0, "text": first.text, "logprobs": None, "finish_reason": None, "stop_reason": None}])]
+        events = [
+            _event(
+                first,
+                kind,
+                [{"index": 0, "text": first.text, "logprobs": None, "finish_reason": None, "stop_reason": None}],
+            )
+        ]
     options = body.get("stream_options") or {}
     if options.get("include_usage") and options.get("continuous_usage_stats"):
         prompt = len(first.prompt_ids)
         for event, generated in zip(events, [0, 1] if kind == "chat" else [1]):
-            event["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + generated, "completion_tokens": generated}
-    lines: list[str] = []
-    for event in events:
-        lines += ["data: " + json.dumps(event), ""]
-    return lines
+            event["usage"] = {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + generated,
+                "completion_tokens": generated,
+            }
+    return events
 
 
-def rewrite(line: str, kind: str, first: FirstToken) -> str:
-    """One SSE line of the continuation, as the client's request would have produced it: the
-    prefill's response id, the chat format for chat requests, usage counting the first token."""
-    if not line.startswith("data: {"):
-        return line
-    event = json.loads(line[6:])
-    if "error" in event:
-        return line
+def rewrite(event: dict[str, Any], kind: str, first: FirstToken) -> dict[str, Any]:
+    """One (parsed, not an error) event of the continuation, as the client's request would have
+    produced it: the prefill's response id, the chat format for chat requests, usage counting the
+    first token."""
     usage = event.get("usage")
     if usage:
         usage["prompt_tokens"] = usage.get("prompt_tokens", 1) - 1
@@ -178,12 +213,15 @@ def rewrite(line: str, kind: str, first: FirstToken) -> str:
     if kind == "chat":
         choices = [
             {
-                "index": c.get("index", 0), "delta": {"content": c.get("text", "")}, "logprobs": None,
-                "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+                "index": c.get("index", 0),
+                "delta": {"content": c.get("text", "")},
+                "logprobs": None,
+                "finish_reason": c.get("finish_reason"),
+                "stop_reason": c.get("stop_reason"),
             }
             for c in choices
         ]
     out = _event(first, kind, choices)
     if usage:
         out["usage"] = usage
-    return "data: " + json.dumps(out)
+    return out

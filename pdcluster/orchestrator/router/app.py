@@ -1,0 +1,228 @@
+"""The router's HTTP side: the FastAPI app and its routes, the API-key guard, the server's start
+and stop, and the Ray actor that hosts it all (the controller creates one)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcluster.errors import NoReplicaError, PDClusterError
+from pdcluster.orchestrator.metrics import RouterMetrics
+from pdcluster.orchestrator.policies import ReplicaLoad
+from pdcluster.orchestrator.router.handoff import PhaseRunner
+from pdcluster.orchestrator.router.pool import ReplicaPool
+from pdcluster.orchestrator.router.requests import (
+    BadRequest,
+    PromptTokens,
+    error_response,
+    read_body,
+    validate,
+)
+from pdcluster.orchestrator.router.settings import RouterSettings
+from pdcluster.orchestrator.router.transport import AsyncioTransport
+
+logger = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, settings: RouterSettings):
+        self.settings = settings
+        self.metrics = RouterMetrics(lambda: self.pool.rows)
+        self.pool = ReplicaPool(settings.policy, self.metrics)
+        self.tokens = PromptTokens(settings.tokenizer_path)
+        self.phases = PhaseRunner(settings, self.pool, self.metrics)
+        self._keys = [k.encode() for k in settings.api_keys]
+        self.http: httpx.AsyncClient | None = None
+        self.app = self._build_app()
+        self._server = None
+        self._serve_task: asyncio.Task | None = None
+        self.url: str | None = None
+
+    # -- membership (controller -> router) -------------------------------------------------
+
+    @property
+    def replicas(self) -> dict[str, ReplicaLoad]:
+        return self.pool.replicas
+
+    def update_replicas(self, rows: list[dict[str, Any]]) -> None:
+        self.pool.update(rows)
+
+    def inflight(self) -> dict[str, int]:
+        return self.pool.inflight()
+
+    def latency(self) -> dict[str, Any]:
+        return {rid: w.summary() for rid, w in self.metrics.windows.items()}
+
+    def ready_roles(self) -> dict[str, int]:
+        return self.pool.ready_roles()
+
+    def is_ready(self) -> bool:
+        ready = self.ready_roles()
+        roles = ("prefill", "decode") if self.settings.disaggregated else ("aggregated",)
+        return all(ready.get(role, 0) > 0 for role in roles)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> str:
+        import socket
+
+        import uvicorn
+
+        self.tokens.load_in_background()
+        self.http = self.phases.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
+            transport=AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256)),
+        )
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        logger.info("router listening on %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._serve_task is not None:
+                await asyncio.wait({self._serve_task}, timeout=10)
+        if self.http is not None:
+            await self.http.aclose()
+
+    # -- HTTP app --------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="pdcluster router", docs_url=None, redoc_url=None)
+
+        # A plain ASGI middleware: Starlette's @app.middleware("http") passes every chunk of a
+        # streamed response through a memory stream and a second task.
+        app.add_middleware(_ApiKeyGuard, router=self)
+
+        @app.get("/health")
+        async def health():
+            if self.is_ready():
+                return {"status": "ok", "ready": self.ready_roles()}
+            return JSONResponse(status_code=503, content={"status": "unavailable", "ready": self.ready_roles()})
+
+        @app.get("/v1/models")
+        async def models():
+            entry = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "pdcluster"}
+            if self.settings.max_model_len:
+                entry["max_model_len"] = self.settings.max_model_len
+            return {"object": "list", "data": [entry]}
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.handle(request, "completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.handle(request, "chat")
+
+        return app
+
+    def authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        presented = token.strip().encode()
+        return any(hmac.compare_digest(presented, key) for key in self._keys)
+
+    # -- request path ----------------------------------------------------------------------
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        """One client request: validated here, then through its phases (handoff.py); failures
+        that end it before its answer began become OpenAI-style errors."""
+        started = time.perf_counter()
+        try:
+            body = await read_body(request, self.settings.max_body_bytes)
+            validate(body, kind, self.settings)
+        except BadRequest as exc:
+            self.metrics.requests.labels(kind, "client_error").inc()
+            return exc.response()
+        h = self.phases.handoff(body, kind, started)
+        try:
+            h.tokens = await self.tokens.count(body, kind)
+            return await self.phases.serve(h)
+        except NoReplicaError as exc:
+            h.finish("no_replica", e2e=False)
+            return error_response(503, str(exc), "service_unavailable")
+        except PDClusterError as exc:
+            h.finish("upstream_error", e2e=False)
+            return error_response(exc.http_status, str(exc), exc.error_type)
+        except httpx.TimeoutException as exc:
+            h.finish("timeout", e2e=False)
+            return error_response(504, f"upstream replica timed out: {type(exc).__name__}", "timeout")
+        except httpx.HTTPError as exc:
+            h.finish("upstream_error", e2e=False)
+            return error_response(502, f"upstream replica failed: {type(exc).__name__}: {exc}", "upstream_error")
+
+
+class _ApiKeyGuard:
+    """401 for requests without a valid API key (when keys are configured), /health exempt."""
+
+    def __init__(self, app: Any, router: Router):
+        self.app, self.router = app, router
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (
+            scope["type"] == "http"
+            and self.router._keys
+            and scope["path"] != "/health"
+            and not self.router.authorized(Request(scope))
+        ):
+            response = error_response(
+                401,
+                "Missing or invalid API key (Authorization: Bearer <key>).",
+                "authentication_error",
+                "invalid_api_key",
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class RouterActor:
+    """Ray actor wrapper: the router's event loop is the actor's."""
+
+    def __init__(self, settings: RouterSettings):
+        from pdcluster.logs import setup_logging
+
+        setup_logging()
+        self.router = Router(settings)
+
+    async def start(self, host: str, port: int) -> str:
+        return await self.router.start(host, port)
+
+    def update_replicas(self, rows: list[dict[str, Any]]) -> None:
+        self.router.update_replicas(rows)
+
+    def inflight(self) -> dict[str, int]:
+        return self.router.inflight()
+
+    def latency(self) -> dict[str, Any]:
+        return self.router.latency()
+
+    def rss_bytes(self) -> int:
+        from pdcluster.engine.actor import process_tree_rss
+
+        return process_tree_rss()
+
+    async def stop(self) -> None:
+        await self.router.stop()

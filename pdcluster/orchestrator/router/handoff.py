@@ -1,0 +1,338 @@
+"""The P/D handoff: one client request through its phases, and the one way the router recovers
+when a replica fails a phase.
+
+Disaggregated mode:
+  1. choose (and hold) the decode replica first: with none ready the request fails at once (503)
+     and no prefill computes KV that nobody would pull;
+  2. prefill: POST a copy with max_tokens=1, stream=false and kv_transfer_params asking for a
+     remote decode to a prefill replica; a prefill error goes straight back to the client;
+  3. decode: POST the original request plus the returned kv_transfer_params to the chosen decode
+     replica and relay its answer (SSE stream or JSON). Streaming requests that allow it get the
+     prefill's first token at once, and the decode replica continues after it (continuation.py).
+Aggregated mode sends the request to one replica.
+
+Recovery (`PhaseRunner.recover`), the same for every phase and role:
+  - a replica never reached (nothing was sent): the same phase on another replica of its role;
+    for decode the lease on the producer is intact, so the same kv_transfer_params go to another
+    decode replica, without a second prefill;
+  - a replica reached that then failed before any byte went to the client: it is excluded and
+    the request goes again from its first phase (for decode: a fresh prefill, so a fresh lease,
+    for another decode replica; the failed one may have used up the lease);
+  - a replica that failed after bytes went to the client: an SSE error event, never a retry (a
+    continuation that was never reached is still sent on to another decode replica: the client
+    sees one stream either way);
+  - each role gets `phase_attempts` replicas per request; past that, or when no untried replica
+    of the role is ready, a 503 naming the role and the replicas tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi.responses import Response
+
+from pdcluster.errors import NoReplicaError, PDClusterError, ReplicaError
+from pdcluster.kv_transfer import params as kvp
+from pdcluster.kv_transfer.params import KVParams
+from pdcluster.orchestrator.metrics import RouterMetrics
+from pdcluster.orchestrator.policies import ReplicaLoad
+from pdcluster.orchestrator.router import continuation
+from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
+from pdcluster.orchestrator.router.relay import (
+    Relay,
+    RelayResponse,
+    TokenClock,
+    closing,
+    error_event,
+    error_outcome,
+    has_token,
+    mid_stream_error,
+    relay_events,
+)
+from pdcluster.orchestrator.router.requests import error_response
+from pdcluster.orchestrator.router.settings import ENDPOINTS, RouterSettings
+from pdcluster.orchestrator.router.upstream import (
+    PhaseFailed,
+    ReachedThenFailed,
+    post,
+)
+
+# Fields of the client's request that the prefill (one token, not streamed) must not get.
+PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo")
+
+
+def outcome_for(status: int, content: bytes = b"") -> str:
+    """The `pdcluster_requests_total` outcome of a replica's HTTP answer (its JSON body tells a
+    failed KV pull, which the decode engine names itself, from other errors)."""
+    if status == 200:
+        return "ok"
+    if status < 500:
+        return "client_error"
+    try:
+        error = json.loads(content).get("error") if content else None
+    except (ValueError, AttributeError):
+        error = None
+    return error_outcome(error)
+
+
+@dataclass(eq=False)
+class Handoff:
+    """One client request on its way through the phases: what it asked, which replicas it holds
+    and has tried, the lease it carries, and how it ended."""
+
+    body: dict[str, Any]
+    kind: str
+    started: float
+    pool: ReplicaPool
+    metrics: RouterMetrics
+    tokens: int = 0  # estimated prompt tokens (load balancing)
+    continuing: bool = False  # may take its first token from the prefill (continuation.py)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # sent as X-Request-Id
+    prefill: ReplicaLoad | None = None  # the prefill replica of the latest pass
+    answering: ReplicaLoad | None = None  # the replica whose answer the client gets (decode/aggregated)
+    excluded: dict[str, list[str]] = field(default_factory=dict)  # role -> replicas that failed it
+    params: dict[str, Any] | None = None  # kv_transfer_params of the current lease
+    first: continuation.FirstToken | None = None  # the prefill's first token, if decode continues
+    delivered: bool = False  # bytes went to the client
+    outcome: str = "ok"
+    _held: list[ReplicaLoad] = field(default_factory=list)
+    _finished: bool = False
+
+    @property
+    def path(self) -> str:
+        return ENDPOINTS[self.kind]
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def choose(self, role: str) -> ReplicaLoad:
+        """A ready replica of `role` that has not failed this request, held for it (NoReplicaError
+        if there is none)."""
+        replica = self.pool.choose(role, self.excluded.get(role, ()))
+        self.pool.enter(replica, self.tokens)
+        self._held.append(replica)
+        return replica
+
+    def drop(self, replica: ReplicaLoad) -> None:
+        """This request no longer needs `replica` (a no-op if it does not hold it)."""
+        for i, held in enumerate(self._held):
+            if held is replica:
+                del self._held[i]
+                self.pool.leave(replica, self.tokens)
+                return
+
+    def release(self) -> None:
+        """Drop every replica still held (the request ended, whichever way)."""
+        while self._held:
+            self.pool.leave(self._held.pop(), self.tokens)
+
+    def finish(self, outcome: str | None = None, e2e: bool = True) -> None:
+        """Record how the request ended, once (the first call wins); `e2e`: observe its latency."""
+        if self._finished:
+            return
+        self._finished = True
+        if outcome is not None:
+            self.outcome = outcome
+        if e2e:
+            self.metrics.e2e.observe(time.perf_counter() - self.started)
+        self.metrics.requests.labels(self.kind, self.outcome).inc()
+
+    def served_by(self) -> dict[str, str]:
+        """Response headers naming the replicas (X-PDCluster-Prefill, -Decode, -Aggregated)."""
+        headers = {}
+        for replica in (self.prefill, self.answering):
+            if replica is not None:
+                headers[f"X-PDCluster-{replica.role.capitalize()}"] = replica.replica_id
+        return headers
+
+
+class PhaseRunner:
+    """Runs requests through their phases against the pool, with the one recovery strategy."""
+
+    def __init__(self, settings: RouterSettings, pool: ReplicaPool, metrics: RouterMetrics):
+        self.settings, self.pool, self.metrics = settings, pool, metrics
+        self.http: httpx.AsyncClient | None = None  # the router's client, set when it starts
+        self._faults = random.Random(0)
+
+    def handoff(self, body: dict[str, Any], kind: str, started: float) -> Handoff:
+        continuing = (
+            self.settings.disaggregated
+            and self.settings.first_token_from_prefill
+            and continuation.continuable(body, kind)
+        )
+        return Handoff(body, kind, started, self.pool, self.metrics, continuing=continuing)
+
+    async def serve(self, h: Handoff) -> Response:
+        """The client's response. A streamed one owns the request's holds from here on (Relay);
+        for any other answer, or an exception, they end here."""
+        try:
+            response = await self._run(h)
+        except BaseException:
+            h.release()
+            raise
+        if not isinstance(response, RelayResponse):
+            h.release()
+        return response
+
+    async def _run(self, h: Handoff) -> Response:
+        answering_role = "decode" if self.settings.disaggregated else "aggregated"
+        while True:
+            try:
+                if h.answering is None:
+                    h.answering = h.choose(answering_role)
+                if self.settings.disaggregated and h.params is None and (early := await self._prefill(h)) is not None:
+                    return early
+                if h.first is not None:
+                    return self._continuation(h)
+                return await self._deliver(h)
+            except PhaseFailed as failure:
+                self.recover(h, failure)
+
+    def recover(self, h: Handoff, failure: PhaseFailed) -> None:
+        """Make `h` ready for its next try after `failure`, or raise what ends the request (see
+        the module docstring): the failed replica is let go and not chosen again for this request;
+        a reached one after bytes went to the client ends the stream; each role may fail the
+        request `phase_attempts` times."""
+        replica = failure.replica
+        h.drop(replica)
+        if replica is h.answering:
+            h.answering = None
+        reached = isinstance(failure, ReachedThenFailed)
+        if reached and h.delivered:
+            raise ReplicaError(mid_stream_error(replica.replica_id, failure.cause)) from failure
+        excluded = h.excluded.setdefault(replica.role, [])
+        excluded.append(replica.replica_id)
+        if len(excluded) >= self.settings.phase_attempts:
+            raise NoReplicaError(exhausted(replica.role, excluded)) from failure
+        self.metrics.retries.labels(replica.role).inc()
+        if reached and replica.role == "decode":
+            h.params = h.first = None  # the lease may be used up: prefill again for a fresh one
+
+    async def _prefill(self, h: Handoff) -> Response | None:
+        """One prefill pass: a fresh lease in `h.params` (and `h.first` when the decode replica
+        may continue after the prefill's token), or the response that ends the request here."""
+        assert self.http is not None
+        prefill = h.prefill = h.choose("prefill")
+        h.request_id = uuid.uuid4().hex
+        started = time.perf_counter()
+        try:
+            response = await post(self.http, prefill, h.path, self._prefill_body(h), False, h.request_id)
+        finally:
+            h.drop(prefill)
+        elapsed = time.perf_counter() - started
+        self.metrics.prefill.observe(elapsed)
+        self.metrics.window(prefill.replica_id).phase.add(elapsed)
+        if response.status_code != 200:
+            h.finish(outcome_for(response.status_code), e2e=False)
+            return Response(response.content, status_code=response.status_code, media_type="application/json")
+        answer = response.json()
+        try:
+            lease = KVParams.from_dict(answer.get("kv_transfer_params"))
+        except ValueError as exc:
+            raise ReplicaError(f"prefill replica {prefill.replica_id} returned unusable {exc}") from None
+        if self._faults.random() < self.settings.abandon_after_prefill_rate:
+            # Injected fault: the client is gone between phases; nobody pulls this KV.
+            h.finish("abandoned", e2e=False)
+            return error_response(503, "injected fault: request abandoned after prefill", "fault_injection")
+        h.params = lease.to_dict()  # what the decode request carries: the lease, nothing else
+        h.first = continuation.first_token(answer, h.kind, lease) if h.continuing else None
+        self.metrics.first_token_source.labels("prefill" if h.first is not None else "decode").inc()
+        return None
+
+    @staticmethod
+    def _prefill_body(h: Handoff) -> dict[str, Any]:
+        body = {key: value for key, value in h.body.items() if key not in PREFILL_DROPS}
+        body.update(stream=False, max_tokens=1, kv_transfer_params=dict(kvp.ASK_PREFILL))
+        if h.kind == "chat":
+            body["max_completion_tokens"] = 1
+        if h.continuing:
+            body["return_token_ids"] = True
+        return body
+
+    async def _deliver(self, h: Handoff) -> Response:
+        """Send the request to the replica that answers it and relay the answer (stream or JSON)."""
+        assert self.http is not None and h.answering is not None
+        replica = h.answering
+        body = h.body if h.params is None else {**h.body, "kv_transfer_params": h.params}
+        upstream = await post(self.http, replica, h.path, body, h.stream, h.request_id)
+        headers = h.served_by()
+        if not h.stream:
+            h.drop(replica)
+            h.finish(outcome_for(upstream.status_code, upstream.content))
+            return Response(
+                upstream.content, status_code=upstream.status_code, media_type="application/json", headers=headers
+            )
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            h.finish(outcome_for(upstream.status_code), e2e=False)
+            return Response(content, status_code=upstream.status_code, media_type="application/json", headers=headers)
+        relay = Relay(h, upstream)
+        clock = TokenClock(self.metrics, replica.replica_id, h.started)
+        return RelayResponse(closing(relay, relay_events(upstream, replica.replica_id, h, clock)), relay, headers)
+
+    def _continuation(self, h: Handoff) -> Response:
+        """Stream the prefill's first token now; the decode replica's continuation follows. The
+        continuation request leaves at once and travels while the client reads the first token."""
+        assert h.first is not None and h.params is not None
+        relay = Relay(h)
+        body = continuation.decode_body(h.body, h.kind, h.first, h.params)
+        self._dispatch(h, relay, body)
+        return RelayResponse(self._continue(h, relay, body), relay, h.served_by())
+
+    def _dispatch(self, h: Handoff, relay: Relay, body: dict[str, Any]) -> None:
+        """Send the continuation to the decode replica (chosen now if there is none) without
+        waiting; the relay owns the request from here."""
+        assert self.http is not None
+        if h.answering is None:
+            h.answering = h.choose("decode")
+        relay.pending = asyncio.ensure_future(
+            post(self.http, h.answering, continuation.CONTINUATION_PATH, body, True, h.request_id)
+        )
+
+    async def _continue(self, h: Handoff, relay: Relay, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        assert h.first is not None and h.answering is not None and relay.pending is not None
+        clock = TokenClock(self.metrics, h.answering.replica_id, h.started)
+        try:
+            prelude = continuation.prelude(h.first, h.kind, h.body)
+            clock.tokens(sum(map(has_token, prelude)))
+            yield "".join(f"data: {json.dumps(event)}\n\n" for event in prelude).encode()
+            h.delivered = True
+            while True:
+                try:
+                    upstream = await relay.pending
+                    break
+                except PhaseFailed as failure:
+                    relay.pending = None
+                    self.recover(h, failure)
+                    self._dispatch(h, relay, body)
+            relay.upstream = upstream
+            decode = h.answering
+            if upstream.status_code != 200:
+                h.outcome = outcome_for(upstream.status_code)
+                content = (await upstream.aread()).decode(errors="replace")
+                yield f"data: {content}\n\n".encode()
+                return
+            rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first)
+            async for chunk in relay_events(upstream, decode.replica_id, h, clock, rewrite):
+                yield chunk
+        except httpx.HTTPError as exc:  # the decode replica's answer did not come (a timeout)
+            h.outcome = "upstream_error"
+            yield error_event(
+                mid_stream_error(h.answering.replica_id if h.answering else "decode", exc), "upstream_error", 502
+            )
+        except PDClusterError as exc:
+            h.outcome = "no_replica" if isinstance(exc, NoReplicaError) else "upstream_error"
+            yield error_event(str(exc), exc.error_type, exc.http_status)
+        finally:
+            await relay.close()

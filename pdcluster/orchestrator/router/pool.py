@@ -1,0 +1,76 @@
+"""The router's replica pool: membership and state from the controller, the choice of a replica
+by the routing policy (orchestrator/policies.py), and in-flight accounting.
+
+In-flight counts are what least-loaded routing weighs, and what the controller waits on before it
+stops a draining replica, so every request holds each replica it is headed for from the moment
+it is chosen until the replica is done with it (handoff.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from pdcluster.errors import NoReplicaError
+from pdcluster.orchestrator.metrics import RouterMetrics
+from pdcluster.orchestrator.policies import ReplicaLoad, make_policy
+from pdcluster.orchestrator.replicas import ReplicaState
+
+
+def exhausted(role: str, tried: Collection[str]) -> str:
+    """The one message for "no replica of this role can take the request", however it came to
+    that (none ready, every ready one tried, or the per-request budget of tries spent)."""
+    return f"no ready {role} replica could take the request (tried: {', '.join(tried) or 'none'})"
+
+
+class ReplicaPool:
+    def __init__(self, policy: str, metrics: RouterMetrics):
+        self.policy = make_policy(policy)
+        self.metrics = metrics
+        self.replicas: dict[str, ReplicaLoad] = {}
+        self.rows: list[dict[str, Any]] = []  # as the controller sent them (engine stats for /metrics)
+
+    def update(self, rows: list[dict[str, Any]]) -> None:
+        """Replace the replica table: rows of {replica_id, role, url, state, node, stats}. A
+        replica that left keeps its entry while requests still hold it."""
+        seen = set()
+        for row in rows:
+            rid = row["replica_id"]
+            seen.add(rid)
+            current = self.replicas.get(rid)
+            if current is None:
+                current = self.replicas[rid] = ReplicaLoad(rid, row["role"], row["url"])
+            current.url = row["url"]
+            current.state = ReplicaState(row["state"])
+            current.node = row.get("node", "")
+            current.meta = row
+        for rid in list(self.replicas):
+            if rid not in seen and self.replicas[rid].inflight_requests == 0:
+                del self.replicas[rid]
+        self.rows = [dict(row) for row in rows]
+
+    def choose(self, role: str, tried: Collection[str] = ()) -> ReplicaLoad:
+        """A READY replica of `role` not in `tried`; NoReplicaError (503) naming them if none."""
+        try:
+            return self.policy.choose(list(self.replicas.values()), role, exclude=set(tried))
+        except NoReplicaError:
+            raise NoReplicaError(exhausted(role, tried)) from None
+
+    def enter(self, replica: ReplicaLoad, tokens: int) -> None:
+        replica.inflight_requests += 1
+        replica.inflight_prompt_tokens += tokens
+        self.metrics.inflight.labels(replica.replica_id, replica.role).set(replica.inflight_requests)
+
+    def leave(self, replica: ReplicaLoad, tokens: int) -> None:
+        replica.inflight_requests -= 1
+        replica.inflight_prompt_tokens -= tokens
+        self.metrics.inflight.labels(replica.replica_id, replica.role).set(replica.inflight_requests)
+
+    def inflight(self) -> dict[str, int]:
+        return {rid: r.inflight_requests for rid, r in self.replicas.items()}
+
+    def ready_roles(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.replicas.values():
+            if r.state == ReplicaState.READY:
+                counts[r.role] = counts.get(r.role, 0) + 1
+        return counts

@@ -1,0 +1,202 @@
+"""Relaying a replica's SSE stream to the client: events split as they arrive, each data event
+parsed once (that one object tells a token from an error and is what a continuation rewrites),
+time to first token and inter-token gaps as the client sees them, and the stream's cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi.responses import StreamingResponse
+
+from pdcluster.orchestrator.metrics import RouterMetrics
+
+if TYPE_CHECKING:
+    from pdcluster.orchestrator.router.handoff import Handoff
+
+logger = logging.getLogger(__name__)
+
+Rewrite = Callable[[dict[str, Any]], dict[str, Any]]  # one parsed event -> the event the client gets
+
+
+class SSEEvents:
+    """Bytes of a server-sent-event stream -> its complete events, each as its lines (an event
+    ends at a blank line; a multi-byte character cannot straddle one, so events decode whole)."""
+
+    _END = re.compile(rb"\r?\n\r?\n")
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[list[str]]:
+        parts = self._END.split(self._pending + data)
+        self._pending = parts.pop()
+        return [part.decode(errors="replace").splitlines() for part in parts if part.strip()]
+
+    def flush(self) -> list[list[str]]:
+        """What is left once the stream ended (an event without its closing blank line)."""
+        rest, self._pending = self._pending, b""
+        return [rest.decode(errors="replace").splitlines()] if rest.strip() else []
+
+
+def has_token(event: dict[str, Any]) -> bool:
+    """Does this parsed event carry generated text (not the role header, usage or an error)?"""
+    for choice in event.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def error_event(message: str, err_type: str, code: int) -> bytes:
+    """An OpenAI-style error as an SSE event: how a stream that already began reports a failure."""
+    return f"data: {json.dumps({'error': {'message': message, 'type': err_type, 'code': code}})}\n\n".encode()
+
+
+def mid_stream_error(replica_id: str, exc: BaseException) -> str:
+    return f"upstream replica {replica_id} failed mid-stream: {exc}"
+
+
+class TokenClock:
+    """TTFT and inter-token gaps of one relayed stream, as the client sees them: tokens that
+    leave in one write reach the client together."""
+
+    def __init__(self, metrics: RouterMetrics, replica_id: str, started: float):
+        self.metrics, self.window, self.started = metrics, metrics.window(replica_id), started
+        self.last: float | None = None
+
+    def tokens(self, count: int) -> None:
+        """`count` tokens are about to be written to the client."""
+        if not count:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.started)
+            self.window.ttft.add(now - self.started)
+        else:
+            self.metrics.itl.observe(now - self.last)
+            self.window.itl.add(now - self.last)
+        for _ in range(count - 1):
+            self.metrics.itl.observe(0.0)
+            self.window.itl.add(0.0)
+        self.last = now
+
+
+class Relay:
+    """Cleanup of one relayed stream, run exactly once however the response ends: normally,
+    on a broken upstream, on a client disconnect mid-stream, or before the first byte. It ends
+    the request's hold on its replicas and records its outcome."""
+
+    def __init__(self, handoff: Handoff, upstream: httpx.Response | None = None):
+        self.handoff, self.upstream = handoff, upstream
+        self.pending: asyncio.Future | None = None  # the upstream request while it is on its way
+        self._closed = False
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.upstream is None and self.pending is not None:
+                if not self.pending.done():
+                    self.pending.cancel()
+                elif not self.pending.cancelled() and self.pending.exception() is None:
+                    self.upstream = self.pending.result()
+            if self.upstream is not None:
+                await self.upstream.aclose()  # closing upstream aborts the engine's request
+        finally:
+            self.handoff.release()
+            self.handoff.finish()
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that always runs its relay's cleanup, even when the client is gone
+    before the body iterator ever started (an unstarted generator never runs its `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], relay: Relay, headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+        self.relay = relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
+
+
+async def closing(relay: Relay, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks`, then the relay's cleanup, which so runs before the response's final write."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await relay.close()
+
+
+def error_outcome(error: Any) -> str:
+    """The `pdcluster_requests_total` outcome of a replica's error answer: a decode engine whose
+    KV pull failed says so itself (engine/kv_errors.py)."""
+    return (
+        "kv_transfer_error"
+        if isinstance(error, dict) and error.get("type") == "kv_transfer_error"
+        else "upstream_error"
+    )
+
+
+async def relay_events(
+    upstream: httpx.Response,
+    replica_id: str,
+    handoff: Handoff,
+    clock: TokenClock,
+    rewrite: Rewrite | None = None,
+) -> AsyncIterator[bytes]:
+    """The replica's SSE events to the client: each event rewritten (`rewrite`: a continuation as
+    the client's own request), an error event counted by what it is, a broken upstream ended
+    with an error event.
+
+    Every complete event of one upstream read leaves in one write: nothing waits for more input,
+    and the client is not woken once per line (each write is a syscall here and a read there, on
+    the cores the engines use)."""
+    events = SSEEvents()
+    try:
+        async for data in upstream.aiter_bytes():
+            if batch := events.feed(data):
+                yield _relay_batch(batch, handoff, clock, rewrite)
+        if batch := events.flush():
+            yield _relay_batch(batch, handoff, clock, rewrite)
+    except (httpx.HTTPError, OSError) as exc:
+        handoff.outcome = "upstream_error"
+        logger.error("stream from %s broke: %s", replica_id, exc)
+        yield error_event(mid_stream_error(replica_id, exc), "upstream_error", 502)
+    except asyncio.CancelledError:
+        handoff.outcome = "cancelled"  # client went away; closing upstream aborts the engine request
+        raise
+
+
+def _relay_batch(batch: list[list[str]], handoff: Handoff, clock: TokenClock, rewrite: Rewrite | None) -> bytes:
+    out: list[str] = []
+    tokens = 0
+    for event in batch:
+        for line in event:
+            if line.startswith("data: {"):
+                try:
+                    data = json.loads(line[6:])
+                except ValueError:
+                    data = None
+                if isinstance(data, dict):
+                    if "error" in data:
+                        handoff.outcome = error_outcome(data["error"])
+                    else:
+                        tokens += has_token(data)
+                        if rewrite is not None:
+                            line = "data: " + json.dumps(rewrite(data))
+            out.append(line)
+            out.append("\n")
+        out.append("\n")
+    clock.tokens(tokens)
+    return "".join(out).encode()

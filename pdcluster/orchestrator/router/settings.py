@@ -1,0 +1,27 @@
+"""What the controller tells the router (from the cluster YAML's `router` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The OpenAI endpoints the router serves, by request kind.
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class RouterSettings:
+    model_name: str
+    mode: str = "disaggregated"
+    policy: str = "least_loaded"
+    api_keys: list[str] = field(default_factory=list)
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 8 << 20
+    max_model_len: int | None = None
+    tokenizer_path: str | None = None
+    phase_attempts: int = 3  # replicas tried per role for one request (handoff.py)
+    first_token_from_prefill: bool = True  # router.first_token_from_prefill (continuation.py)
+    abandon_after_prefill_rate: float = 0.0  # fault injection (router.fault_injection)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.mode == "disaggregated"

@@ -1,0 +1,189 @@
+"""Stand-in replicas for the router's unit tests: real HTTP/1.1 servers on 127.0.0.1 (plain asyncio,
+no engine) that record what the router sent them and answer as a prefill or decode replica would,
+or fail in the ways a real one can (refuse the connection, hang up without answering)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import uvloop
+
+from pdcluster.kv_transfer.params import KVParams
+from pdcluster.orchestrator.replicas import ReplicaState
+from pdcluster.orchestrator.router import Router
+
+PROMPT_IDS = [11, 12, 13]
+# The event loops the router runs on: asyncio's own, and uvloop's (Ray's actors use it).
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released): connecting is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def row(replica_id: str, role: str, url: str | None = None, state: ReplicaState = ReplicaState.READY) -> dict:
+    """A replica as the controller describes it to the router (unreachable unless `url`)."""
+    return {
+        "replica_id": replica_id,
+        "role": role,
+        "url": url or f"http://127.0.0.1:{closed_port()}",
+        "state": int(state),
+        "node": "127.0.0.1",
+        "stats": {},
+    }
+
+
+@dataclass
+class Call:
+    method: str
+    path: str
+    body: dict | None
+    request_id: str | None  # the X-Request-Id header
+
+
+class Writer:
+    """The stand-in's side of one answer."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self._writer = writer
+
+    async def json(self, payload: dict, status: int = 200) -> None:
+        data = json.dumps(payload).encode()
+        self._writer.write(
+            b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, len(data), data)
+        )
+        await self._writer.drain()
+
+    async def sse(self, events: list[str]) -> None:
+        """Each event ("data: ...") in its own chunk, as vLLM's server writes one per token."""
+        self._writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in events:
+            data = (event + "\n\n").encode()
+            self._writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await self._writer.drain()
+        self._writer.write(b"0\r\n\r\n")
+        await self._writer.drain()
+
+    def hang_up(self) -> None:
+        """Close the connection having read the request, without a byte of answer."""
+        self._writer.close()
+
+
+Answer = Callable[[Call, Writer], Awaitable[None]]
+
+
+@dataclass
+class StandIn:
+    answer: Answer
+    calls: list[Call] = field(default_factory=list)
+    url: str = ""
+    _server: asyncio.Server | None = None
+
+    async def start(self) -> StandIn:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def posts(self) -> list[Call]:
+        return [c for c in self.calls if c.method == "POST"]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while not writer.is_closing():
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, target = head.split(b" ", 2)[:2]
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                raw = await reader.readexactly(int(length.group(1))) if length else b""
+                request_id = re.search(rb"(?i)x-request-id: *(\S+)", head)
+                call = Call(
+                    method.decode(),
+                    target.decode(),
+                    json.loads(raw) if raw else None,
+                    request_id.group(1).decode() if request_id else None,
+                )
+                self.calls.append(call)
+                await self.answer(call, Writer(writer))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # the router closed its connection: nothing more to answer
+        finally:
+            writer.close()
+
+
+def lease_of(body: dict) -> int:
+    """Which of the prefill stand-in's leases a decode request carries."""
+    return int(body["kv_transfer_params"]["remote_request_id"])
+
+
+def prefill_answer() -> Answer:
+    """A prefill replica: every answer carries a new lease (`lease_of` numbers them from 1), and the
+    first token (42, " first") with the ids a continuation needs, as vLLM's completions and chat
+    answers carry them."""
+    leases = iter(range(1, 1000))
+
+    async def answer(call: Call, out: Writer) -> None:
+        params = KVParams("prefill", str(next(leases)), ("127.0.0.1:1",), (0,), len(PROMPT_IDS), 1e10).to_dict()
+        choice = {"index": 0, "finish_reason": "length", "token_ids": [42]}
+        answer = {"id": "cmpl-p", "created": 1, "model": "tiny", "choices": [choice], "kv_transfer_params": params}
+        if call.path == "/v1/chat/completions":
+            choice["message"] = {"role": "assistant", "content": " first"}
+            answer["prompt_token_ids"] = PROMPT_IDS
+        else:
+            choice.update(text=" first", prompt_token_ids=PROMPT_IDS)
+        await out.json(answer)
+
+    return answer
+
+
+async def decode_answer(call: Call, out: Writer) -> None:
+    """A decode replica: JSON or a three-token stream, naming the lease it was sent."""
+    lease = lease_of(call.body)
+    if not call.body.get("stream"):
+        await out.json({"id": "cmpl-d", "choices": [{"index": 0, "text": f"decoded lease {lease}"}]})
+        return
+    events = [
+        json.dumps(
+            {
+                "id": "cmpl-d",
+                "object": "text_completion",
+                "created": 2,
+                "model": "tiny",
+                "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
+            }
+        )
+        for i in range(3)
+    ]
+    await out.sse([f"data: {e}" for e in events] + ["data: [DONE]"])
+
+
+async def hang_up(call: Call, out: Writer) -> None:
+    out.hang_up()
+
+
+async def running(router: Router, *stand_ins: StandIn) -> str:
+    for stand_in in stand_ins:
+        await stand_in.start()
+    return await router.start("127.0.0.1", 0)
+
+
+async def post(url: str, path: str, body: dict) -> tuple[httpx.Response, list[str]]:
+    """POST to the router; a streamed answer's lines are read to its end."""
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+        client.stream("POST", path, json=body) as response,
+    ):
+        raw = await response.aread()
+    return response, raw.decode().splitlines()

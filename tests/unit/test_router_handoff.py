@@ -1,0 +1,224 @@
+"""The router's P/D handoff against stand-in replicas on real sockets (replica_stand_ins.py): how it
+recovers from each kind of replica failure, what it answers when no replica is left, that the
+decode replica is chosen before any prefill, and how a relayed stream is read (tokens, errors,
+a continuation rewritten). With live engines: tests/e2e/test_reliability.py, test_kv_handoff.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from pdcluster.orchestrator.replicas import ReplicaState
+from pdcluster.orchestrator.router import Router, RouterSettings
+from tests.unit.replica_stand_ins import (
+    LOOPS,
+    StandIn,
+    decode_answer,
+    hang_up,
+    lease_of,
+    post,
+    prefill_answer,
+    row,
+    running,
+)
+
+COMPLETION = {"model": "tiny", "prompt": "def f():", "max_tokens": 4}
+
+
+def metric(router: Router, pattern: str) -> float:
+    found = re.search(pattern.replace("{", r"\{").replace("}", r"\}") + r" (\S+)", router.metrics.exposition().decode())
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def serve(request):
+    """serve(router, stand_ins, body, rows, path): start the stand-ins, point the router at them
+    after `rows` (replicas of equal load are chosen in this order), send one request. On
+    asyncio's event loop and on uvloop's (Ray's actors run the router on uvloop)."""
+
+    def serve(
+        router: Router, stand_ins: dict[str, StandIn], body: dict, rows: list[dict], path: str = "/v1/completions"
+    ):
+        async def scenario():
+            url = await running(router, *stand_ins.values())
+            router.update_replicas(rows + [row(rid, rid.split("-")[0], s.url) for rid, s in stand_ins.items()])
+            try:
+                return await post(url, path, body)
+            finally:
+                await router.stop()
+                for stand_in in stand_ins.values():
+                    stand_in.close()
+
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
+            response, lines = runner.run(asyncio.wait_for(scenario(), 60))
+        assert all(r.inflight_requests == 0 for r in router.replicas.values())  # nothing leaked
+        return response, lines
+
+    return serve
+
+
+def data(lines: list[str]) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+# -- recovery: one strategy for every phase ----------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_hangs_up_unanswered_gets_the_request_prefilled_again_for_another(serve, stream):
+    """Reached, then gone before answering: it may have pulled (used up) the lease, so the request
+    is prefilled again for a fresh one and sent to another decode replica."""
+    router = Router(RouterSettings(model_name="tiny", first_token_from_prefill=False))
+    prefill, gone, live = StandIn(prefill_answer()), StandIn(hang_up), StandIn(decode_answer)
+    stand_ins = {"prefill-0": prefill, "decode-gone": gone, "decode-live": live}
+    response, lines = serve(router, stand_ins, {**COMPLETION, "stream": stream}, [])
+    assert response.status_code == 200, lines
+    assert response.headers["x-pdcluster-decode"] == "decode-live"
+    assert len(prefill.posts()) == 2 and len(gone.posts()) == 1
+    assert [lease_of(c.body) for c in gone.posts() + live.posts()] == [1, 2]  # a fresh lease
+    text = (
+        "".join(c["text"] for e in data(lines) for c in e["choices"])
+        if stream
+        else response.json()["choices"][0]["text"]
+    )
+    assert text == (" t0 t1 t2" if stream else "decoded lease 2")
+    assert metric(router, 'pdcluster_retries_total{role="decode"}') == 1
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 1
+
+
+@pytest.mark.parametrize("first_token_from_prefill", [False, True])
+def test_a_decode_never_reached_gets_its_lease_sent_to_another_without_a_second_prefill(
+    serve, first_token_from_prefill
+):
+    """Nothing was sent, so the lease on the producer is intact: the same kv_transfer_params go to
+    another decode replica (classic path, and a continuation after the prefill's first token)."""
+    router = Router(RouterSettings(model_name="tiny", first_token_from_prefill=first_token_from_prefill))
+    prefill, live = StandIn(prefill_answer()), StandIn(decode_answer)
+    unreachable = row("decode-dead", "decode")  # a closed port: refused
+    response, lines = serve(
+        router, {"prefill-0": prefill, "decode-live": live}, {**COMPLETION, "stream": True}, [unreachable]
+    )
+    assert response.status_code == 200, lines
+    assert len(prefill.posts()) == 1
+    [sent] = live.posts()
+    assert lease_of(sent.body) == 1
+    texts = [c["text"] for e in data(lines) for c in e["choices"]]
+    assert texts == ([" first"] if first_token_from_prefill else []) + [" t0", " t1", " t2"]
+    assert metric(router, 'pdcluster_retries_total{role="decode"}') == 1
+    assert metric(router, 'pdcluster_retries_total{role="prefill"}') == 0
+
+
+def test_a_prefill_that_hangs_up_is_replaced_by_another_prefill(serve):
+    router = Router(RouterSettings(model_name="tiny"))
+    gone, prefill, decode = StandIn(hang_up), StandIn(prefill_answer()), StandIn(decode_answer)
+    response, _ = serve(router, {"prefill-gone": gone, "prefill-0": prefill, "decode-0": decode}, COMPLETION, [])
+    assert response.status_code == 200 and response.headers["x-pdcluster-prefill"] == "prefill-0"
+    assert (len(gone.posts()), len(prefill.posts()), len(decode.posts())) == (1, 1, 1)
+    assert metric(router, 'pdcluster_retries_total{role="prefill"}') == 1
+
+
+def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an_error(serve):
+    """The client already has the prefill's token: a decode replica reached that then fails ends
+    the stream with an error event, and nothing is prefilled again."""
+    router = Router(RouterSettings(model_name="tiny"))
+    prefill, gone, live = StandIn(prefill_answer()), StandIn(hang_up), StandIn(decode_answer)
+    stand_ins = {"prefill-0": prefill, "decode-gone": gone, "decode-live": live}
+    response, lines = serve(router, stand_ins, {**COMPLETION, "stream": True}, [])
+    assert response.status_code == 200
+    events = data(lines)
+    assert events[0]["choices"][0]["text"] == " first"
+    assert "upstream replica decode-gone failed mid-stream" in events[-1]["error"]["message"]
+    assert (len(prefill.posts()), len(live.posts())) == (1, 0)
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="upstream_error"}') == 1
+
+
+# -- no replica left: one answer ----------------------------------------------------------------
+
+
+def exhausted_error(serve, role: str, replicas: int, mode: str = "disaggregated") -> tuple[dict, Router]:
+    router = Router(RouterSettings(model_name="tiny", mode=mode, phase_attempts=3))
+    stand_ins = {}
+    rows = [row(f"{role}-{i}", role) for i in range(replicas)]  # all unreachable
+    if role == "decode":
+        stand_ins["prefill-0"] = StandIn(prefill_answer())
+    elif role == "prefill":
+        stand_ins["decode-0"] = StandIn(decode_answer)
+    response, _ = serve(router, stand_ins, COMPLETION, rows)
+    assert response.status_code == 503, response.text
+    return response.json(), router
+
+
+@pytest.mark.parametrize(
+    ("role", "mode"), [("prefill", "disaggregated"), ("decode", "disaggregated"), ("aggregated", "aggregated")]
+)
+def test_exhaustion_gets_the_same_503_whatever_the_pool_size(serve, role, mode):
+    shapes = []
+    for replicas in (2, 5):
+        body, router = exhausted_error(serve, role, replicas, mode)
+        tried = [f"{role}-{i}" for i in range(min(replicas, 3))]
+        assert body["error"]["message"] == f"no ready {role} replica could take the request (tried: {', '.join(tried)})"
+        shapes.append({k: v for k, v in body["error"].items() if k != "message"})
+        assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="no_replica"}') == 1
+        assert metric(router, f'pdcluster_retries_total{{role="{role}"}}') == 2
+    assert shapes[0] == shapes[1] == {"type": "service_unavailable", "param": None, "code": 503}
+
+
+def test_no_ready_decode_fails_fast_without_a_prefill(serve):
+    """Decode is chosen before the prefill: no KV is computed (and leased) that nobody would pull."""
+    router = Router(RouterSettings(model_name="tiny"))
+    prefill = StandIn(prefill_answer())
+    draining = row("decode-0", "decode", state=ReplicaState.DRAINING)
+    response, _ = serve(router, {"prefill-0": prefill}, COMPLETION, [draining])
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == "no ready decode replica could take the request (tried: none)"
+    assert prefill.calls == []
+
+
+# -- the relayed stream ---------------------------------------------------------------------------
+
+
+def test_a_continuation_reads_as_the_clients_chat_and_its_tokens_are_timed(serve):
+    """Each event of the decode replica's stream is read once for what it is (token, usage,
+    [DONE]) and rewritten as the client's own chat stream; every token is timed."""
+    router = Router(RouterSettings(model_name="tiny"))
+    prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    response, lines = serve(router, {"prefill-0": prefill, "decode-0": decode}, chat, [], path="/v1/chat/completions")
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""]
+    events = data(lines)
+    assert {(e["id"], e["object"]) for e in events} == {("cmpl-p", "chat.completion.chunk")}
+    assert [e["choices"][0]["delta"] for e in events] == [
+        {"role": "assistant", "content": ""},
+        {"content": " first"},
+        {"content": " t0"},
+        {"content": " t1"},
+        {"content": " t2"},
+    ]
+    [sent] = decode.posts()
+    assert sent.path == "/v1/completions" and sent.body["prompt"] == [11, 12, 13, 42] and sent.body["max_tokens"] == 3
+    assert metric(router, "pdcluster_ttft_seconds_count") == 1
+    assert metric(router, "pdcluster_itl_seconds_count") == 3  # four tokens, three gaps
+
+
+def test_a_kv_failure_in_the_decode_stream_reaches_the_client_as_what_it_is(serve):
+    """A decode engine whose KV pull failed says so in its own error event (engine/kv_errors.py):
+    the router relays it as is and counts it as a KV transfer error, without asking anyone."""
+    failure = {
+        "message": "KV handoff from c-prefill-0 to c-decode-0 failed and kv_transfer.failure_policy=fail: lease expired",
+        "type": "kv_transfer_error",
+        "code": 502,
+    }
+
+    async def failing_decode(call, out):
+        await out.sse([f"data: {json.dumps({'error': failure})}", "data: [DONE]"])
+
+    router = Router(RouterSettings(model_name="tiny", first_token_from_prefill=False))
+    prefill, decode = StandIn(prefill_answer()), StandIn(failing_decode)
+    _, lines = serve(router, {"prefill-0": prefill, "decode-0": decode}, {**COMPLETION, "stream": True}, [])
+    [error] = data(lines)
+    assert error["error"] == failure
+    assert [c.method for c in decode.calls] == ["POST"]  # nothing asked afterwards
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="kv_transfer_error"}') == 1
