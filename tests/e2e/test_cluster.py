@@ -16,8 +16,9 @@ import psutil
 import pytest
 
 from pdcluster.engine.spec import EngineSpec
-from tests.support.cluster import cli, cluster_up, leftover_processes, write_config
+from tests.support.cluster import TEST_DTYPE, cli, cluster_up, leftover_processes, write_config
 from tests.support.engines import MODEL, run_engine
+from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -34,14 +35,28 @@ PREFIXED = [SHARED_PREFIX + token_prompt(30, offset=1700 + 97 * i) for i in rang
 RAY_MARKERS = ("raylet", "gcs_server", "ray::", "default_worker.py", "ray.scripts.scripts", "VLLM::")
 
 
+def greedy(http: httpx.Client, prompt, headers: dict | None = None) -> Greedy:
+    """A greedy completion with its logprobs (tokens and logprobs compared, identity.py)."""
+    body = {"model": NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **identity_fields()}
+    response = http.post("/v1/completions", json=body, headers=headers or {})
+    assert response.status_code == 200, response.text
+    return Greedy.from_choice(response.json()["choices"][0])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Greedy outputs of one aggregated engine with the cluster's model and MTP settings."""
+    """Greedy outputs of one aggregated engine with the cluster's model, dtype and MTP settings."""
     tmp = tmp_path_factory.mktemp("reference")
     spec = EngineSpec(
-        role="aggregated", engine_id="reference", model=str(MODEL), served_model_name=NAME,
-        max_model_len=1024, engine_args={"enforce_eager": True},
-        speculative={"method": "mtp", "num_speculative_tokens": 1}, kv_cache_gib=1,
+        role="aggregated",
+        engine_id="reference",
+        model=str(MODEL),
+        served_model_name=NAME,
+        dtype=TEST_DTYPE,
+        max_model_len=1024,
+        engine_args={"enforce_eager": True},
+        speculative={"method": "mtp", "num_speculative_tokens": 1},
+        kv_cache_gib=1,
     )
     with run_engine(spec, tmp) as engine:
         client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
@@ -51,14 +66,20 @@ def reference(tmp_path_factory):
         ]
         chats = [
             client.chat.completions.create(model=NAME, messages=m, max_tokens=MAX_TOKENS, temperature=0)
-            .choices[0].message.content
+            .choices[0]
+            .message.content
             for m in CHAT
         ]
         prefixed = [
             client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
             for p in PREFIXED
         ]
-    return {"completions": completions, "chat": chats, "prefixed": prefixed}
+        with httpx.Client(base_url=engine.url, timeout=120) as http:
+            logprobs = {
+                "completions": [greedy(http, p) for p in PROMPTS],
+                "prefixed": [greedy(http, p) for p in PREFIXED],
+            }
+    return {"completions": completions, "chat": chats, "prefixed": prefixed, "logprobs": logprobs}
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +95,14 @@ def client(cluster):
     return openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def test_completions_match_aggregated_engine(client, reference):
+def test_completions_match_aggregated_engine(cluster, client, reference):
     for prompt, expected in zip(PROMPTS, reference["completions"]):
         got = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert got.choices[0].text == expected
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=cluster.endpoint, timeout=120) as http:
+        for i, (prompt, expected) in enumerate(zip(PROMPTS, reference["logprobs"]["completions"])):
+            assert_same_greedy(expected, greedy(http, prompt, headers), TEST_DTYPE, f"prompt {i}")
 
 
 def test_streaming_completions_match(client, reference):
@@ -90,19 +115,27 @@ def test_chat_matches_streaming_and_not(client, reference):
     for messages, expected in zip(CHAT, reference["chat"]):
         got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         assert got.choices[0].message.content == expected
-        stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        stream = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == expected
 
 
-def test_requests_sharing_a_prefix_match(client, reference):
+def test_requests_sharing_a_prefix_match(cluster, client, reference):
     """Streamed (first token from the prefill) and whole, each prompt after the first finds the
     shared prefix in the decode replica's prefix cache; the rest is pulled where it belongs."""
-    for prompt, expected in zip(PREFIXED, reference["prefixed"]):
-        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        assert got.choices[0].text == expected
-        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=cluster.endpoint, timeout=120) as http:
+        for i, (prompt, expected) in enumerate(zip(PREFIXED, reference["prefixed"])):
+            got = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            assert got.choices[0].text == expected
+            stream = client.completions.create(
+                model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+            want = reference["logprobs"]["prefixed"][i]
+            assert_same_greedy(want, greedy(http, prompt, headers), TEST_DTYPE, f"prefixed prompt {i}")
 
 
 def _first_token_sources(cluster) -> dict[str, float]:
@@ -117,10 +150,16 @@ def test_streams_take_their_first_token_from_the_prefill(cluster, client, refere
     cannot serve as asked (a stop string) takes the classic path, also right."""
     before = _first_token_sources(cluster)
     prompt, expected = PROMPTS[1], reference["completions"][1]
-    chunks = list(client.completions.create(
-        model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert len({c.id for c in chunks}) == 1
     whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
@@ -129,7 +168,8 @@ def test_streams_take_their_first_token_from_the_prefill(cluster, client, refere
     assert counts[-1] == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
     assert [done for _, done in counts] == sorted(done for _, done in counts)
     classic = client.completions.create(
-        model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True, stop=["<never-in-code>"])
+        model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True, stop=["<never-in-code>"]
+    )
     assert "".join(c.choices[0].text for c in classic if c.choices) == expected
     after = _first_token_sources(cluster)
     assert after.get("prefill", 0) - before.get("prefill", 0) == 1
@@ -143,11 +183,20 @@ def test_models_health_and_metrics(cluster):
         assert [m["id"] for m in models["data"]] == [NAME]
         assert http.get("/health").status_code == 200
         metrics = http.get("/metrics", headers=headers).text
-    for name in ("pdcluster_ttft_seconds", "pdcluster_itl_seconds", "pdcluster_e2e_latency_seconds",
-                 "pdcluster_requests_total", "pdcluster_replica_inflight", "pdcluster_kv_handoff_bytes_total",
-                 "pdcluster_kv_pull_seconds_total", "pdcluster_replica_waiting",
-                 "pdcluster_spec_draft_tokens_total", "pdcluster_spec_acceptance_rate",
-                 "pdcluster_spec_mean_accepted_length", "pdcluster_first_token_source_total"):
+    for name in (
+        "pdcluster_ttft_seconds",
+        "pdcluster_itl_seconds",
+        "pdcluster_e2e_latency_seconds",
+        "pdcluster_requests_total",
+        "pdcluster_replica_inflight",
+        "pdcluster_kv_handoff_bytes_total",
+        "pdcluster_kv_pull_seconds_total",
+        "pdcluster_replica_waiting",
+        "pdcluster_spec_draft_tokens_total",
+        "pdcluster_spec_acceptance_rate",
+        "pdcluster_spec_mean_accepted_length",
+        "pdcluster_first_token_source_total",
+    ):
         assert name in metrics, name
 
 
@@ -204,7 +253,9 @@ def _model_processes() -> list[psutil.Process]:
         try:
             if not " ".join(proc.cmdline()).startswith("VLLM::EngineCore"):
                 continue
-            if any(" ".join(p.cmdline()).startswith(("ray::PrefillWorker", "ray::DecodeWorker")) for p in proc.parents()):
+            if any(
+                " ".join(p.cmdline()).startswith(("ray::PrefillWorker", "ray::DecodeWorker")) for p in proc.parents()
+            ):
                 workers = [c for c in proc.children() if " ".join(c.cmdline()).startswith("VLLM::Worker")]
                 holders.extend(workers or [proc])
         except psutil.Error:

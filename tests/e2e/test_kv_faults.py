@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 
 import httpx
-import openai
 import pytest
 
 from pdcluster.engine.spec import EngineSpec
-from tests.support.cluster import cluster_up, write_config
+from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
 from tests.support.engines import MODEL, run_engine
+from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -47,12 +47,26 @@ def wait_for(predicate, timeout_s, what):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    spec = EngineSpec(role="aggregated", engine_id="faults-reference", model=str(MODEL), served_model_name=NAME,
-                      max_model_len=1024, engine_args={"enforce_eager": True}, kv_cache_gib=1,
-                      speculative={"method": "mtp", "num_speculative_tokens": 1})
-    with run_engine(spec, tmp_path_factory.mktemp("faults-ref")) as engine:
-        client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
-        return [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS]
+    spec = EngineSpec(
+        role="aggregated",
+        engine_id="faults-reference",
+        model=str(MODEL),
+        served_model_name=NAME,
+        dtype=TEST_DTYPE,
+        max_model_len=1024,
+        engine_args={"enforce_eager": True},
+        kv_cache_gib=1,
+        speculative={"method": "mtp", "num_speculative_tokens": 1},
+    )
+    with run_engine(spec, tmp_path_factory.mktemp("faults-ref")) as engine, engine.client() as http:
+        return [greedy(http, p) for p in PROMPTS]
+
+
+def greedy(http: httpx.Client, prompt) -> Greedy:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, **identity_fields()}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return Greedy.from_choice(response.json()["choices"][0])
 
 
 def test_recompute_policy_survives_dropped_unreachable_and_timed_out_pulls(tmp_path, reference):
@@ -63,15 +77,24 @@ def test_recompute_policy_survives_dropped_unreachable_and_timed_out_pulls(tmp_p
             "failure_policy": "recompute",
             "lease_seconds": 6,
             "pull_timeout_seconds": 1.5,
-            "fault_injection": {"pull_failure_rate": 0.25, "unreachable_rate": 0.25, "serve_delay_s": 3.0,
-                                "serve_delay_rate": 0.25, "seed": 7},
+            "fault_injection": {
+                "pull_failure_rate": 0.25,
+                "unreachable_rate": 0.25,
+                "serve_delay_s": 3.0,
+                "serve_delay_rate": 0.25,
+                "seed": 7,
+            },
         },
     )
     with cluster_up(tmp_path, config) as cluster:
-        client = openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key="unused", max_retries=0, timeout=120)
-        outputs = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS]
-        assert outputs == reference
-        stats = wait_for(lambda: (s := decode_stats(cluster))["kv_pulls_ok"] + s["kv_pulls_failed"] >= len(PROMPTS) and s, 30, "pull counters")
+        with httpx.Client(base_url=cluster.endpoint, timeout=120) as http:
+            for i, (prompt, expected) in enumerate(zip(PROMPTS, reference)):
+                assert_same_greedy(expected, greedy(http, prompt), TEST_DTYPE, f"prompt {i}")
+        stats = wait_for(
+            lambda: (s := decode_stats(cluster))["kv_pulls_ok"] + s["kv_pulls_failed"] >= len(PROMPTS) and s,
+            30,
+            "pull counters",
+        )
         assert stats["kv_pulls_failed"] >= 4 and stats["kv_pulls_ok"] >= 2
         # Every lease ends: released by the consumer, or expired when the release was lost.
         wait_for(lambda: prefill_stats(cluster)["kv_cache_usage"] == 0.0, 60, "prefill blocks freed")
@@ -90,7 +113,9 @@ def test_fail_policy_gives_clear_errors_and_leases_expire(tmp_path):
         with httpx.Client(base_url=cluster.endpoint, timeout=120) as http:
             for prompt in PROMPTS[:10]:
                 responses.append(http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 8}))
-            streamed = http.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[11], "max_tokens": 8, "stream": True})
+            streamed = http.post(
+                "/v1/completions", json={"model": NAME, "prompt": PROMPTS[11], "max_tokens": 8, "stream": True}
+            )
         abandoned = [r for r in responses if r.status_code == 503]
         failed = [r for r in responses if r.status_code != 503]
         assert abandoned and failed

@@ -1,6 +1,7 @@
 """P -> D handoff through PDConnector with real vLLM engines in separate processes.
 
-Engines: one aggregated reference, one prefill (producer, backend auto: it offers grpc, shm and
+Engines (float32: strict identity, tokens and logprobs; tests/support/identity.py; bf16 is
+covered with a near-tie tolerance in test_bf16_identity.py): one aggregated reference, one prefill (producer, backend auto: it offers grpc, shm and
 collective), and decode (consumer) engines: a healthy one forced to grpc (the full matrix runs
 there), one whose every pull fails (injected; recompute policy), one whose KV layout does not
 match (block size 64 vs 128; fail policy), and one each for the faster backends: auto (which
@@ -20,6 +21,7 @@ import pytest
 
 from pdcluster.engine.spec import EngineSpec
 from tests.support.engines import MODEL, kv_extra, run_engines
+from tests.support.identity import Greedy, assert_same_greedy, compare, identity_fields
 from tests.support.prompts import token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -28,6 +30,7 @@ MAX_MODEL_LEN = 1024
 BLOCK = 128  # vLLM's CPU default block size
 LEASE_S = 10
 NAME = "tiny"
+DTYPE = "float32"
 
 
 def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, single_process=True, **engine_args):
@@ -36,10 +39,10 @@ def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, sin
         engine_id=engine_id,
         model=str(MODEL),
         served_model_name=NAME,
+        dtype=DTYPE,
         max_model_len=MAX_MODEL_LEN,
         engine_args={"enforce_eager": True, "max_num_seqs": 16, **engine_args},
-        kv_extra=None if role == "aggregated" else kv_extra(secret_file, **(kv or {})),
-        kv_load_failure_policy=policy,
+        kv_extra=None if role == "aggregated" else kv_extra(secret_file, failure_policy=policy, **(kv or {})),
         cpu_threads_bind=bind,
         kv_cache_gib=1,
         single_process=single_process,
@@ -53,11 +56,11 @@ def engines(tmp_path_factory):
     secret.write_text("handoff-test-secret\n")
     specs = [
         spec("agg", "aggregated", "0", secret),
-        spec("prefill", "prefill", "0", secret, kv={"lease_s": LEASE_S, "transport": "auto"}),
+        spec("prefill", "prefill", "0", secret, kv={"lease_seconds": LEASE_S, "backend": "auto"}),
         spec("decode", "decode", "1", secret),
         # vLLM's own CPU layout (a worker process holds the model); the others run single-process
-        spec("decode-shm", "decode", "1", secret, kv={"transport": "auto"}, single_process=False),
-        spec("decode-collective", "decode", "1", secret, kv={"transport": "collective"}),
+        spec("decode-shm", "decode", "1", secret, kv={"backend": "auto"}, single_process=False),
+        spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
         spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
         spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
     ]
@@ -72,7 +75,7 @@ def complete(engine, prompt, max_tokens, **extra):
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "return_token_ids": True,
+        **identity_fields(),
         **extra,
     }
     with engine.client() as client:
@@ -94,9 +97,13 @@ def handoff(prefill, decode, prompt, max_tokens):
     return complete(decode, prompt, max_tokens, kv_transfer_params=params), params
 
 
-def token_ids(response: httpx.Response) -> list[int]:
+def greedy(response: httpx.Response) -> Greedy:
     assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["token_ids"]
+    return Greedy.from_choice(response.json()["choices"][0])
+
+
+def assert_same(expected: Greedy, response: httpx.Response, what: str = "") -> None:
+    assert_same_greedy(expected, greedy(response), DTYPE, what)
 
 
 def wait_for(predicate, timeout_s, what):
@@ -113,16 +120,27 @@ def wait_for(predicate, timeout_s, what):
 
 # Prompt lengths in tokens: 1 token, exactly one block, one block + 1, many blocks, near
 # max_model_len (which leaves room for the 8 generated tokens).
-LENGTHS = [1, 2, 17, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 3 * BLOCK + 5, 5 * BLOCK + 64,
-           MAX_MODEL_LEN - 9, MAX_MODEL_LEN - 8]
+LENGTHS = [
+    1,
+    2,
+    17,
+    BLOCK - 1,
+    BLOCK,
+    BLOCK + 1,
+    2 * BLOCK,
+    3 * BLOCK + 5,
+    5 * BLOCK + 64,
+    MAX_MODEL_LEN - 9,
+    MAX_MODEL_LEN - 8,
+]
 
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_greedy_output_matches_aggregated(engines, length):
     prompt = token_prompt(length, offset=length * 7)
-    expected = token_ids(complete(engines["agg"], prompt, 8))
+    expected = greedy(complete(engines["agg"], prompt, 8))
     response, params = handoff(engines["prefill"], engines["decode"], prompt, 8)
-    assert token_ids(response) == expected
+    assert_same(expected, response)
     assert params["remote_num_tokens"] == length
     assert len(params["remote_block_ids"]) == -(-length // BLOCK)
 
@@ -132,14 +150,14 @@ def test_greedy_output_matches_aggregated(engines, length):
 @pytest.mark.parametrize("length", [BLOCK + 60, 4 * BLOCK + 60])
 def test_decode_prefix_cache_hit_pulls_only_the_rest(engines, length):
     prompt = token_prompt(length, offset=4242 + length)
-    expected = token_ids(complete(engines["agg"], prompt, 8))
+    expected = greedy(complete(engines["agg"], prompt, 8))
     start = info(engines["decode"])["stats"]
     first, _ = handoff(engines["prefill"], engines["decode"], prompt, 8)
     middle = info(engines["decode"])["stats"]
     second, _ = handoff(engines["prefill"], engines["decode"], prompt, 8)
     end = info(engines["decode"])["stats"]
-    assert token_ids(first) == expected
-    assert token_ids(second) == expected
+    assert_same(expected, first, "first handoff")
+    assert_same(expected, second, "second handoff (prefix-cache hit)")
     assert end["kv_pulls_ok"] - middle["kv_pulls_ok"] == middle["kv_pulls_ok"] - start["kv_pulls_ok"] == 1
     blocks = -(-length // BLOCK)
     whole = middle["kv_bytes_received"] - start["kv_bytes_received"]
@@ -148,14 +166,16 @@ def test_decode_prefix_cache_hit_pulls_only_the_rest(engines, length):
 
 def test_concurrent_batch_matches_aggregated(engines):
     prompts = [token_prompt(60 + 37 * i, offset=1000 + 211 * i) for i in range(12)]
-    expected = [token_ids(complete(engines["agg"], p, 12)) for p in prompts]
+    expected = [greedy(complete(engines["agg"], p, 12)) for p in prompts]
     before = info(engines["decode"])["stats"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: handoff(engines["prefill"], engines["decode"], p, 12)[0], prompts))
-    assert [token_ids(r) for r in results] == expected
+    for i, (want, got) in enumerate(zip(expected, results)):
+        assert_same(want, got, f"prompt {i}")
     after = wait_for(
         lambda: (s := info(engines["decode"])["stats"])["kv_pulls_ok"] >= before["kv_pulls_ok"] + 12 and s,
-        30, "decode pull counters",
+        30,
+        "decode pull counters",
     )
     assert after["kv_pulls_failed"] == before["kv_pulls_failed"]
     assert after["kv_bytes_received"] > before["kv_bytes_received"]
@@ -163,26 +183,45 @@ def test_concurrent_batch_matches_aggregated(engines):
 
 def test_chat_and_text_prompts_hand_off(engines):
     text = "def fibonacci(n):\n    "
-    expected = complete(engines["agg"], text, 16).json()["choices"][0]["text"]
+    reference = complete(engines["agg"], text, 16)
     response, _ = handoff(engines["prefill"], engines["decode"], text, 16)
-    assert response.json()["choices"][0]["text"] == expected
+    assert_same(greedy(reference), response)
+    assert response.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+
+
+def test_corrupt_kv_fails_the_identity_check(engines):
+    """The check above would catch corrupt KV: decode pulls the producer's block 0 twice, into
+    its blocks 0 and 1 (real KV of the same prompt, in the wrong place), and its logprobs leave
+    the float32 bound at once, whatever tokens it happens to pick. (Swapping two blocks would not
+    do: keys carry their rotary positions, and attention over a set of keys ignores which slot
+    holds which. No other test's prompt starts where this one does, so decode's prefix cache
+    never serves these blocks to another.)"""
+    prompt = token_prompt(3 * BLOCK + 20, offset=7919)
+    expected = greedy(complete(engines["agg"], prompt, 8))
+    first = complete(engines["prefill"], prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first.json()["kv_transfer_params"]
+    blocks = params["remote_block_ids"]
+    params["remote_block_ids"] = [blocks[0], blocks[0], *blocks[2:]]
+    corrupt = greedy(complete(engines["decode"], prompt, 8, kv_transfer_params=params))
+    verdict = compare(expected, corrupt)
+    with pytest.raises(AssertionError, match="drift|not a near-tie"):
+        assert_same_greedy(expected, corrupt, DTYPE)
+    print(f"block 0 pulled twice: {verdict.describe()}")
 
 
 def test_producer_blocks_are_freed_after_every_handoff(engines):
     prefill = engines["prefill"]
     handoff(prefill, engines["decode"], token_prompt(300, offset=5), 4)
-    stats = wait_for(
-        lambda: (s := info(prefill)["stats"])["kv_cache_usage"] == 0.0 and s, 30, "P blocks freed"
-    )
+    stats = wait_for(lambda: (s := info(prefill)["stats"])["kv_cache_usage"] == 0.0 and s, 30, "P blocks freed")
     assert stats["kv_leases_released"] >= 1
 
 
 def test_injected_pull_failure_recomputes_same_output(engines):
     prompt = token_prompt(3 * BLOCK + 11, offset=333)
-    expected = token_ids(complete(engines["agg"], prompt, 10))
+    expected = greedy(complete(engines["agg"], prompt, 10))
     before = info(engines["decode-faulty"])["stats"]["kv_pulls_failed"]
     response, _ = handoff(engines["prefill"], engines["decode-faulty"], prompt, 10)
-    assert token_ids(response) == expected
+    assert_same(expected, response)
     assert info(engines["decode-faulty"])["stats"]["kv_pulls_failed"] == before + 1
     # The failed consumer released the lease: P's blocks are free again.
     wait_for(lambda: info(engines["prefill"])["stats"]["kv_cache_usage"] == 0.0, 30, "P blocks freed")
@@ -190,9 +229,7 @@ def test_injected_pull_failure_recomputes_same_output(engines):
 
 def test_lease_expiry_frees_blocks_when_decode_never_pulls(engines):
     prefill = engines["prefill"]
-    baseline = wait_for(
-        lambda: (s := info(prefill)["stats"])["kv_cache_usage"] == 0.0 and s, 30, "idle P"
-    )
+    baseline = wait_for(lambda: (s := info(prefill)["stats"])["kv_cache_usage"] == 0.0 and s, 30, "idle P")
     first = complete(prefill, token_prompt(4 * BLOCK, offset=77), 1, kv_transfer_params={"do_remote_decode": True})
     assert first.status_code == 200
     held = info(prefill)["stats"]
@@ -227,22 +264,24 @@ FAST = {"decode": "grpc", "decode-shm": "shm", "decode-collective": "collective"
 @pytest.mark.parametrize("length", [1, BLOCK + 1, 5 * BLOCK + 64])
 def test_fast_backend_greedy_output_matches_aggregated(engines, decode, length):
     prompt = token_prompt(length, offset=length * 13 + 5)
-    expected = token_ids(complete(engines["agg"], prompt, 8))
+    expected = greedy(complete(engines["agg"], prompt, 8))
     response, _ = handoff(engines["prefill"], engines[decode], prompt, 8)
-    assert token_ids(response) == expected
+    assert_same(expected, response)
 
 
 @pytest.mark.parametrize("decode", ["decode-shm", "decode-collective"])
 def test_fast_backend_concurrent_batch_matches_aggregated(engines, decode):
     prompts = [token_prompt(90 + 71 * i, offset=2000 + 97 * i) for i in range(8)]
-    expected = [token_ids(complete(engines["agg"], p, 10)) for p in prompts]
+    expected = [greedy(complete(engines["agg"], p, 10)) for p in prompts]
     before = info(engines[decode])["stats"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: handoff(engines["prefill"], engines[decode], p, 10)[0], prompts))
-    assert [token_ids(r) for r in results] == expected
+    for i, (want, got) in enumerate(zip(expected, results)):
+        assert_same(want, got, f"prompt {i}")
     after = wait_for(
         lambda: (s := info(engines[decode])["stats"])["kv_pulls_ok"] >= before["kv_pulls_ok"] + 8 and s,
-        30, "decode pull counters",
+        30,
+        "decode pull counters",
     )
     assert after["kv_pulls_failed"] == before["kv_pulls_failed"]
 
@@ -250,9 +289,7 @@ def test_fast_backend_concurrent_batch_matches_aggregated(engines, decode):
 @pytest.mark.parametrize("decode", list(FAST))
 def test_each_decode_reports_the_backend_it_uses_with_the_prefill(engines, decode):
     handoff(engines["prefill"], engines[decode], token_prompt(BLOCK + 3, offset=9), 2)
-    backends = wait_for(
-        lambda: info(engines[decode])["stats"].get("kv_backends"), 30, "backend in decode stats"
-    )
+    backends = wait_for(lambda: info(engines[decode])["stats"].get("kv_backends"), 30, "backend in decode stats")
     assert backends == {"prefill": FAST[decode]}
 
 
@@ -272,9 +309,19 @@ def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engi
     prompts = [token_prompt(40 + 53 * i, offset=3000 + 97 * i) for i in range(4)]
     expected = [complete(engines["agg"], p, 10).json()["choices"][0]["text"] for p in prompts]
     rows = [
-        {"replica_id": rid, "role": role, "url": url, "state": int(ReplicaState.READY), "node": "127.0.0.1", "stats": {}}
-        for rid, role, url in (("prefill-0", "prefill", engines["prefill"].url), ("decode-dead", "decode", dead),
-                               ("decode-0", "decode", engines["decode"].url))
+        {
+            "replica_id": rid,
+            "role": role,
+            "url": url,
+            "state": int(ReplicaState.READY),
+            "node": "127.0.0.1",
+            "stats": {},
+        }
+        for rid, role, url in (
+            ("prefill-0", "prefill", engines["prefill"].url),
+            ("decode-dead", "decode", dead),
+            ("decode-0", "decode", engines["decode"].url),
+        )
     ]
 
     async def scenario():
@@ -285,7 +332,14 @@ def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engi
         try:
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 for prompt in prompts:
-                    body = {"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
+                    body = {
+                        "model": NAME,
+                        "prompt": prompt,
+                        "max_tokens": 10,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": True,
+                    }
                     async with client.stream("POST", "/v1/completions", json=body) as response:
                         assert response.status_code == 200
                         assert response.headers["x-pdcluster-prefill"] == "prefill-0"
@@ -298,5 +352,7 @@ def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engi
     texts, metrics, inflight = asyncio.run(scenario())
     assert texts == expected
     assert 'pdcluster_first_token_source_total{role="prefill"} 4.0' in metrics
-    assert 'pdcluster_retries_total{role="decode"}' in metrics and 'pdcluster_retries_total{role="prefill"}' not in metrics
+    assert (
+        'pdcluster_retries_total{role="decode"}' in metrics and 'pdcluster_retries_total{role="prefill"}' not in metrics
+    )
     assert all(count == 0 for count in inflight.values())

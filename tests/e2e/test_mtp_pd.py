@@ -1,8 +1,8 @@
 """MTP speculative decoding through the P/D path stays lossless and keeps its acceptance.
 
-Engines (real vLLM, separate processes): aggregated without MTP, aggregated with MTP k, and a
-prefill + decode pair with MTP k, for each k the tiny model supports. Greedy output must be
-identical everywhere; the P/D acceptance rate must be within 3 points of the aggregated one on
+Engines (real vLLM, separate processes, float32): aggregated without MTP, aggregated with MTP
+k, and a prefill + decode pair with MTP k, for each k the tiny model supports. Greedy output
+must be identical everywhere, tokens and logprobs (tests/support/identity.py); the P/D acceptance rate must be within 3 points of the aggregated one on
 the same prompts (a lower P/D rate means the draft layer's KV was not handed over right).
 """
 
@@ -12,11 +12,13 @@ import pytest
 
 from pdcluster.engine.spec import EngineSpec
 from tests.support.engines import MODEL, kv_extra, run_engines
+from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import heldout_prompts
 
 pytestmark = pytest.mark.e2e
 
 NAME = "tiny"
+DTYPE = "float32"
 KS = (1, 2)
 PROMPTS = heldout_prompts()[:24]
 MAX_TOKENS = 48
@@ -28,6 +30,7 @@ def spec(engine_id, role, k, bind, secret_file):
         engine_id=engine_id,
         model=str(MODEL),
         served_model_name=NAME,
+        dtype=DTYPE,
         max_model_len=1024,
         engine_args={"enforce_eager": True, "max_num_seqs": 8},
         speculative={"method": "mtp", "num_speculative_tokens": k} if k else None,
@@ -54,8 +57,14 @@ def engines(tmp_path_factory):
 
 
 def generate(engine, prompt, kv_transfer_params=None, max_tokens=MAX_TOKENS):
-    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **identity_fields(),
+    }
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     with engine.client() as client:
@@ -80,24 +89,25 @@ def acceptance(engine, run):
 
 @pytest.fixture(scope="module")
 def reference(engines):
-    return [generate(engines["agg-off"], p)["choices"][0]["token_ids"] for p in PROMPTS]
+    return [Greedy.from_choice(generate(engines["agg-off"], p)["choices"][0]) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("k", KS)
 def test_pd_with_mtp_is_lossless_and_keeps_acceptance(engines, reference, k):
     agg, prefill, decode = engines[f"agg-k{k}"], engines[f"prefill-k{k}"], engines[f"decode-k{k}"]
 
-    agg_out, agg_rate = acceptance(agg, lambda: [generate(agg, p)["choices"][0]["token_ids"] for p in PROMPTS])
+    agg_out, agg_rate = acceptance(agg, lambda: [Greedy.from_choice(generate(agg, p)["choices"][0]) for p in PROMPTS])
 
     def pd_run():
         outputs = []
         for prompt in PROMPTS:
             params = generate(prefill, prompt, {"do_remote_decode": True}, max_tokens=1)["kv_transfer_params"]
-            outputs.append(generate(decode, prompt, params)["choices"][0]["token_ids"])
+            outputs.append(Greedy.from_choice(generate(decode, prompt, params)["choices"][0]))
         return outputs
 
     pd_out, pd_rate = acceptance(decode, pd_run)
-    assert agg_out == reference  # aggregated MTP == no MTP
-    assert pd_out == reference  # P/D MTP == no MTP
+    for i, want in enumerate(reference):
+        assert_same_greedy(want, agg_out[i], DTYPE, f"aggregated MTP k={k}, prompt {i}")  # == no MTP
+        assert_same_greedy(want, pd_out[i], DTYPE, f"P/D MTP k={k}, prompt {i}")  # == no MTP
     assert abs(pd_rate - agg_rate) <= 0.03, f"P/D acceptance {pd_rate:.3f} vs aggregated {agg_rate:.3f}"
     assert agg_rate > 0.3  # the trained head drafts well; a broken handoff would not move this

@@ -141,10 +141,19 @@ def test_killed_decode_ends_its_streams_with_an_error_and_is_replaced(cluster, c
     lock = threading.Lock()
 
     def long_stream(i):
-        body = {"model": NAME, "prompt": heldout_prompts()[i], "max_tokens": 3500, "temperature": 0,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": NAME,
+            "prompt": heldout_prompts()[i],
+            "max_tokens": 3500,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         outcome, lines, finish = "incomplete", 0, None
-        with httpx.Client(base_url=cluster.endpoint, timeout=300) as http, http.stream("POST", "/v1/completions", json=body) as response:
+        with (
+            httpx.Client(base_url=cluster.endpoint, timeout=300) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
             served_by = response.headers["x-pdcluster-decode"]
             for line in response.iter_lines():
                 lines += line.startswith("data: ")
@@ -181,7 +190,7 @@ def test_killed_decode_ends_its_streams_with_an_error_and_is_replaced(cluster, c
     # truncated, none hung, and the crash did cut (or reroute) at least one request.
     assert len(outcomes) == 6
     cut = []
-    for replica, outcome, lines in outcomes:
+    for replica, outcome, _lines in outcomes:
         if outcome.startswith("error"):
             assert replica == victim and f"upstream replica {victim} failed mid-stream" in outcome, outcomes
             cut.append(outcome)
@@ -196,7 +205,14 @@ def test_killed_decode_ends_its_streams_with_an_error_and_is_replaced(cluster, c
 
 
 def test_client_disconnect_aborts_the_decode_request(cluster):
-    body = {"model": NAME, "prompt": heldout_prompts()[3], "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": NAME,
+        "prompt": heldout_prompts()[3],
+        "max_tokens": 3000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=cluster.endpoint, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             events = 0
@@ -207,7 +223,8 @@ def test_client_disconnect_aborts_the_decode_request(cluster):
     status = wait_status(
         cluster,
         lambda s: all(r["running"] == 0 and r["kv_cache_usage"] == 0.0 for r in s["replicas"] if r["role"] == "decode"),
-        30, "decode engines to abort the request and free its blocks",
+        30,
+        "decode engines to abort the request and free its blocks",
     )
     assert all(r["inflight"] == 0 for r in status["replicas"])
 
@@ -264,7 +281,11 @@ def test_missing_max_tokens_uses_the_default(cluster):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=8,
 )
@@ -273,7 +294,15 @@ fields = st.fixed_dictionaries(
     optional={
         "model": st.sampled_from([NAME, NAME, "other", 3, None]),
         "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 5000), max_size=8), json_values),
-        "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]), "content": st.text(max_size=20)}), max_size=3), json_values),
+        "messages": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["user", "system", "x"]), "content": st.text(max_size=20)}
+                ),
+                max_size=3,
+            ),
+            json_values,
+        ),
         "max_tokens": st.one_of(st.integers(-3, 40), json_values),
         "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), json_values),
         "top_p": st.one_of(st.floats(-1, 2, allow_nan=False), json_values),
@@ -286,7 +315,9 @@ fields = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=fields, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_fuzzed_requests_never_get_5xx(cluster, body, path):
     with httpx.Client(base_url=cluster.endpoint, timeout=60) as http:
@@ -301,19 +332,33 @@ def test_fuzzed_requests_never_get_5xx(cluster, body, path):
 
 
 def _prefill_params(cluster) -> dict:
-    prefill_url = next(r["url"] for r in cluster.status()["replicas"] if r["role"] == "prefill" and r["state"] == "ready")
-    body = {"model": NAME, "prompt": "secret prompt content", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    prefill_url = next(
+        r["url"] for r in cluster.status()["replicas"] if r["role"] == "prefill" and r["state"] == "ready"
+    )
+    body = {
+        "model": NAME,
+        "prompt": "secret prompt content",
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     return httpx.post(prefill_url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
 
 
 def test_kv_endpoint_refuses_raw_client_without_secret(cluster):
     params = _prefill_params(cluster)
-    assert params["remote_host"] == "127.0.0.1"
-    with grpc.insecure_channel(f"{params['remote_host']}:{params['remote_port']}") as channel:
-        pull = channel.unary_stream("/pdcluster.kv.v1.KVTransfer/Pull", request_serializer=pb.PullRequest.SerializeToString,
-                                    response_deserializer=pb.KVChunk.FromString)
-        request = pb.PullRequest(protocol_version=PROTOCOL_VERSION, request_id=params["remote_request_id"],
-                                 block_ids=params["remote_block_ids"])
+    (endpoint,) = params["remote_endpoints"]
+    assert endpoint.startswith("127.0.0.1:")
+    with grpc.insecure_channel(endpoint) as channel:
+        pull = channel.unary_stream(
+            "/pdcluster.kv.v1.KVTransfer/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=pb.KVChunk.FromString,
+        )
+        request = pb.PullRequest(
+            protocol_version=PROTOCOL_VERSION,
+            request_id=params["remote_request_id"],
+            block_ids=params["remote_block_ids"],
+        )
         received = []
         with pytest.raises(grpc.RpcError) as info:
             for chunk in pull(request, timeout=10):
@@ -340,7 +385,7 @@ def test_internal_ports_bind_to_the_configured_address(cluster):
     status = cluster.status()
     ports = [int(r["url"].rsplit(":", 1)[1]) for r in status["replicas"] if r["url"]]
     ports.append(int(cluster.endpoint.rsplit(":", 1)[1]))
-    ports.append(int(_prefill_params(cluster)["remote_port"]))
+    ports.append(int(_prefill_params(cluster)["remote_endpoints"][0].rsplit(":", 1)[1]))
     for port in ports:
         addresses = _listening(port)
         assert addresses and addresses <= loopback, (port, addresses)

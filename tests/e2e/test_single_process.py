@@ -1,6 +1,6 @@
 """Single-process CPU engines (engine/single_process.py): the model runs in the engine-core
 process, bound to the role's cores, and generates exactly what vLLM's own two-process layout
-(engine core + worker process) generates."""
+(engine core + worker process) generates (float32: tokens and logprobs, identity.py)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,27 @@ import pytest
 
 from pdcluster.engine.spec import EngineSpec
 from tests.support.engines import MODEL, run_engines
+from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import token_prompt
 
 pytestmark = pytest.mark.e2e
 
 NAME = "tiny"
+DTYPE = "float32"
 
 
 def spec(engine_id: str, bind: str, single_process: bool) -> EngineSpec:
     return EngineSpec(
-        role="aggregated", engine_id=engine_id, model=str(MODEL), served_model_name=NAME,
-        max_model_len=1024, engine_args={"enforce_eager": True, "max_num_seqs": 8},
-        cpu_threads_bind=bind, kv_cache_gib=1, single_process=single_process,
+        role="aggregated",
+        engine_id=engine_id,
+        model=str(MODEL),
+        served_model_name=NAME,
+        dtype=DTYPE,
+        max_model_len=1024,
+        engine_args={"enforce_eager": True, "max_num_seqs": 8},
+        cpu_threads_bind=bind,
+        kv_cache_gib=1,
+        single_process=single_process,
     )
 
 
@@ -42,10 +51,10 @@ def test_single_process_engine_matches_the_worker_process_layout(tmp_path):
         for engine_id, engine in engines.items():
             with engine.client() as client:
                 infos[engine_id] = client.get("/pdcluster/info").json()
-                body = {"model": NAME, "prompt": prompts, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+                body = {"model": NAME, "prompt": prompts, "max_tokens": 24, "temperature": 0, **identity_fields()}
                 response = client.post("/v1/completions", json=body)
                 assert response.status_code == 200, response.text
-                outputs[engine_id] = [c["token_ids"] for c in response.json()["choices"]]
+                outputs[engine_id] = [Greedy.from_choice(c) for c in response.json()["choices"]]
             processes[engine_id] = vllm_processes(engine.process.pid)
 
     assert infos["single"]["single_process"] is True and infos["single"]["single_process_reason"] == ""
@@ -55,5 +64,6 @@ def test_single_process_engine_matches_the_worker_process_layout(tmp_path):
     assert set(processes["single"]) == {"VLLM::EngineCore"}, processes["single"]
     assert processes["single"]["VLLM::EngineCore"] == [0]
     assert "VLLM::EngineCore" in processes["split"] and any(t.startswith("VLLM::Worker") for t in processes["split"])
-    assert all(len(ids) == 24 for ids in outputs["single"])
-    assert outputs["single"] == outputs["split"]
+    assert all(len(out.token_ids) == 24 for out in outputs["single"])
+    for i, (single, split) in enumerate(zip(outputs["single"], outputs["split"])):
+        assert_same_greedy(split, single, DTYPE, f"prompt {i}")

@@ -18,6 +18,7 @@ import yaml
 from tests.support.engines import MODEL, REPO
 
 PDCLUSTER = [sys.executable, "-m", "pdcluster.cli"]
+TEST_DTYPE = "float32"
 
 
 def free_port() -> int:
@@ -30,6 +31,9 @@ def write_config(path: Path, **overrides) -> Path:
     config = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
     config["model"]["path"] = str(MODEL)
     config["model"]["max_model_len"] = 1024
+    # Identity tests compare with a reference engine in float32, where P/D's different
+    # computation order cannot flip a near-tie (tests/support/identity.py).
+    config["model"]["dtype"] = TEST_DTYPE
     config["router"]["port"] = free_port()
     for role in ("prefill", "decode", "aggregated"):
         config["roles"][role]["kv_cache_gib"] = 1
@@ -48,9 +52,7 @@ def _merge(base: dict, extra: dict) -> None:
 
 def cli(home: Path, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PDCLUSTER_HOME=str(home))
-    result = subprocess.run(
-        [*PDCLUSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    result = subprocess.run([*PDCLUSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(
             f"pdcluster {' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"

@@ -1,0 +1,108 @@
+"""P/D in bfloat16 (the shipped configs' dtype) against one aggregated engine, MTP on.
+
+Strict identity runs in float32 (test_kv_handoff.py, test_mtp_pd.py, test_cluster.py). In bf16 the
+same P/D computation, done in another order, may flip a near-tie, and which ones flip depends on
+the CPU's kernels (tests/support/identity.py). Here a divergence passes only as a diagnosed
+near-tie: the reference's top-1 minus top-2 logprob there and the logprob drift before it both
+within the bf16 bounds, both printed (`pytest -s` shows them).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from pdcluster.engine.spec import EngineSpec
+from tests.support.engines import MODEL, kv_extra, run_engines
+from tests.support.identity import Greedy, assert_same_greedy, identity_fields
+from tests.support.prompts import token_prompt
+
+pytestmark = pytest.mark.e2e
+
+NAME = "tiny"
+DTYPE = "bfloat16"
+BLOCK = 128
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def spec(engine_id, role, bind, secret_file):
+    return EngineSpec(
+        role=role,
+        engine_id=engine_id,
+        model=str(MODEL),
+        served_model_name=NAME,
+        dtype=DTYPE,
+        max_model_len=1024,
+        engine_args={"enforce_eager": True, "max_num_seqs": 16},
+        speculative=MTP,
+        kv_extra=None if role == "aggregated" else kv_extra(secret_file),
+        cpu_threads_bind=bind,
+        kv_cache_gib=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bf16")
+    secret = tmp / "secret"
+    secret.write_text("bf16-test-secret")
+    specs = [
+        spec("agg", "aggregated", "0", secret),
+        spec("prefill", "prefill", "0", secret),
+        spec("decode", "decode", "1", secret),
+    ]
+    with run_engines(specs, tmp) as running:
+        yield running
+
+
+def greedy(engine, prompt, max_tokens, **extra) -> Greedy:
+    body = {
+        "model": NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **identity_fields(),
+        **extra,
+    }
+    response = httpx.post(engine.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    if "kv_transfer_params" in extra and extra["kv_transfer_params"].get("do_remote_decode"):
+        return response.json()["kv_transfer_params"]
+    return Greedy.from_choice(response.json()["choices"][0])
+
+
+def handoff(engines, prompt, max_tokens) -> Greedy:
+    params = greedy(engines["prefill"], prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    return greedy(engines["decode"], prompt, max_tokens, kv_transfer_params=params)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        token_prompt(1, offset=11),
+        token_prompt(BLOCK + 1, offset=1300),
+        token_prompt(3 * BLOCK + 5, offset=2600),
+        token_prompt(1015, offset=40),
+        "def fibonacci(n):\n    ",
+    ],
+    ids=["1", "129", "389", "1015", "text"],
+)
+def test_bf16_handoff_matches_aggregated_up_to_near_ties(engines, prompt):
+    max_tokens = 8 if len(prompt) > 1000 else 24
+    expected = greedy(engines["agg"], prompt, max_tokens)
+    assert_same_greedy(expected, handoff(engines, prompt, max_tokens), DTYPE)
+
+
+def test_bf16_concurrent_batch_and_prefix_hit_match_up_to_near_ties(engines):
+    prompts = [token_prompt(90 + 71 * i, offset=5000 + 97 * i) for i in range(8)]
+    expected = [greedy(engines["agg"], p, 16) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: handoff(engines, p, 16), prompts))
+    for i, (want, got) in enumerate(zip(expected, results)):
+        assert_same_greedy(want, got, DTYPE, f"prompt {i}")
+    # The same long prompt again: decode's prefix cache holds its whole blocks, only the rest is pulled.
+    again = handoff(engines, prompts[-1], 16)
+    assert_same_greedy(expected[-1], again, DTYPE, "prefix-cache hit")
