@@ -10,7 +10,7 @@ CONFIG ?= configs/local-cpu.yaml
 # on machines without a local wheel folder holding torch 2.13.0+cpu.
 PIP_EXTRA ?=
 
-.PHONY: setup run test test-unit test-e2e protos clean
+.PHONY: setup run test test-unit test-e2e lint format protos clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,15 @@ $(STAMP): $(LOCK) pyproject.toml
 run: $(STAMP)
 	@$(VENV)/bin/pdcluster up $(CONFIG) --foreground
 
-test: $(STAMP)
+# The lint (ruff: style, imports, common bugs, formatting) runs first: a tree it refuses fails.
+lint: $(STAMP)
+	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check --quiet .
+
+# Apply the formatter and the lint's safe fixes to the tree.
+format: $(STAMP)
+	@$(VENV)/bin/ruff format --quiet . && $(VENV)/bin/ruff check --fix --quiet .
+
+test: lint
 	@$(PY) -m pytest -q tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

@@ -56,10 +56,17 @@ def merge(base: dict, extra: dict) -> dict:
 def pdcluster(home: Path, *args: str, timeout: float = 900) -> str:
     env = dict(os.environ, PDCLUSTER_HOME=str(home))
     result = subprocess.run(
-        [sys.executable, "-m", "pdcluster.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "pdcluster.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"pdcluster {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}")
+        raise RuntimeError(
+            f"pdcluster {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}"
+        )
     return result.stdout
 
 
@@ -174,7 +181,9 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
         "ttft_p99_ms": ms(percentile(ttfts, 0.99)),
         "itl_p50_ms": ms(percentile(itls, 0.5)),
         "itl_p99_ms": ms(percentile(itls, 0.99)),
-        "tpot_mean_ms": ms(statistics.mean([(t.e2e - t.ttft) / max(1, t.tokens - 1) for t in ok if t.ttft])) if ok else None,
+        "tpot_mean_ms": ms(statistics.mean([(t.e2e - t.ttft) / max(1, t.tokens - 1) for t in ok if t.ttft]))
+        if ok
+        else None,
         "output_tokens_per_s": tokens / wall_s if wall_s else None,
         "output_tokens": tokens,
         "wall_s": wall_s,
@@ -219,9 +228,13 @@ def process_role(proc) -> str:
             parent = "?"
         return f"{parent} > {cmd.split()[0]}"
     for needle, label in (
-        ("ray::RouterActor", "router"), ("ray::PrefillWorker", "prefill actor"), ("ray::DecodeWorker", "decode actor"),
-        ("ray::EngineActor", "aggregated actor"), ("ray::", "ray worker (controller, idle)"),
-        ("bench serve", "vllm bench serve (client)"), ("vllm_pd_proxy", "vllm-pd proxy"),
+        ("ray::RouterActor", "router"),
+        ("ray::PrefillWorker", "prefill actor"),
+        ("ray::DecodeWorker", "decode actor"),
+        ("ray::EngineActor", "aggregated actor"),
+        ("ray::", "ray worker (controller, idle)"),
+        ("bench serve", "vllm bench serve (client)"),
+        ("vllm_pd_proxy", "vllm-pd proxy"),
     ):
         if needle in cmd:
             return label
@@ -231,7 +244,19 @@ def process_role(proc) -> str:
         except psutil.Error:
             core = None
         return {"0": "vllm serve prefill", "1": "vllm serve decode"}.get(core, "vllm serve")
-    if any(k in cmd for k in ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "ray.util.client", "ray.scripts", "runtime_env")):
+    if any(
+        k in cmd
+        for k in (
+            "gcs_server",
+            "raylet",
+            "dashboard",
+            "log_monitor",
+            "monitor.py",
+            "ray.util.client",
+            "ray.scripts",
+            "runtime_env",
+        )
+    ):
         return "ray daemons"
     return "other"
 

@@ -66,8 +66,13 @@ def measure(socket_kind: str, chunk_bytes: int, nbytes: int, repeats: int, memcp
             grpc_gbps = nbytes / statistics.median(pulls) / 1e9
             memcpy_gbps = nbytes / statistics.median(copies) / 1e9
             row = {
-                "socket": socket_kind, "client": client, "chunk_bytes": chunk_bytes, "bytes": nbytes,
-                "grpc_GBps": grpc_gbps, "memcpy_GBps": memcpy_gbps, "ratio_to_memcpy": grpc_gbps / memcpy_gbps,
+                "socket": socket_kind,
+                "client": client,
+                "chunk_bytes": chunk_bytes,
+                "bytes": nbytes,
+                "grpc_GBps": grpc_gbps,
+                "memcpy_GBps": memcpy_gbps,
+                "ratio_to_memcpy": grpc_gbps / memcpy_gbps,
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -106,8 +111,7 @@ def report(meta: dict) -> str:
         "work. The transport itself (gather, protobuf framing, scatter) is timed against the same ceiling, in "
         "the same run, by bench/kv_transfer.py (column `transfer / raw gRPC`).",
         "",
-        "- socket: `tcp` is 127.0.0.1; `uds` a Unix-domain socket (`unix:` target), which takes the "
-        "TCP stack out.",
+        "- socket: `tcp` is 127.0.0.1; `uds` a Unix-domain socket (`unix:` target), which takes the TCP stack out.",
         "- client: grpcio's default channel, or `SingleThreadedUnaryStream` (the calling thread drives "
         "the completion queue; no polling thread, fewer thread hand-offs).",
     ]

@@ -21,16 +21,39 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
-    MODEL, base_config, cluster, machine, metric_samples, pdcluster, rss_by_role, status, write_results,
+    MODEL,
+    base_config,
+    cluster,
+    machine,
+    metric_samples,
+    pdcluster,
+    rss_by_role,
+    status,
+    write_results,
 )
 
 
-def client_loop(endpoint: str, prompts: list[str], max_tokens: int, stop: threading.Event, tally: dict, lock: threading.Lock, seed: int) -> None:
+def client_loop(
+    endpoint: str,
+    prompts: list[str],
+    max_tokens: int,
+    stop: threading.Event,
+    tally: dict,
+    lock: threading.Lock,
+    seed: int,
+) -> None:
     i = seed
     with httpx.Client(base_url=endpoint, timeout=300) as http:
         while not stop.is_set():
-            body = {"model": "tiny", "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": "tiny",
+                "prompt": prompts[i % len(prompts)],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             i += 7
             with lock:
                 tally["sent"] += 1
@@ -65,7 +88,11 @@ def tally_error(tally: dict, lock: threading.Lock, error: str) -> None:
 def scrape(endpoint: str) -> dict:
     """Router and per-replica memory, KV usage and running sequences from /metrics."""
     snap: dict = {"router_rss": None, "rss": {}, "kv_cache_usage": {}, "running": {}}
-    keys = {"pdcluster_replica_rss_bytes": "rss", "pdcluster_replica_kv_cache_usage": "kv_cache_usage", "pdcluster_replica_running": "running"}
+    keys = {
+        "pdcluster_replica_rss_bytes": "rss",
+        "pdcluster_replica_kv_cache_usage": "kv_cache_usage",
+        "pdcluster_replica_running": "running",
+    }
     for name, labels, value in metric_samples(httpx.get(endpoint + "/metrics", timeout=60).text):
         if name == "pdcluster_router_rss_bytes":
             snap["router_rss"] = value
@@ -90,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         home = Path(tmp) / f"home-{config['name']}"
         baseline = scrape(endpoint)
         stop = threading.Event()
-        threads = [threading.Thread(target=client_loop, args=(endpoint, prompts, args.max_tokens, stop, tally, lock, k)) for k in range(args.clients)]
+        threads = [
+            threading.Thread(target=client_loop, args=(endpoint, prompts, args.max_tokens, stop, tally, lock, k))
+            for k in range(args.clients)
+        ]
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -99,19 +129,26 @@ def main(argv: list[str] | None = None) -> int:
             # Scale decode up at 1/4 of the run, and down once two decode replicas have served
             # for a while (engine start takes minutes on 2 busy cores), through the CLI as an
             # operator would.
-            for n, at in ((2, lambda: started + duration / 4), (1, lambda: max(started + duration / 2, time.monotonic() + duration / 6))):
+            for n, at in (
+                (2, lambda: started + duration / 4),
+                (1, lambda: max(started + duration / 2, time.monotonic() + duration / 6)),
+            ):
                 if stop.wait(max(0.0, at() - time.monotonic())):
                     return
                 t0 = time.monotonic()
                 pdcluster(home, "scale", "decode", str(n), "--wait", "--name", config["name"])
-                events.append({"at_s": round(t0 - started, 1), "scale": f"decode={n}", "took_s": round(time.monotonic() - t0, 1)})
+                events.append(
+                    {"at_s": round(t0 - started, 1), "scale": f"decode={n}", "took_s": round(time.monotonic() - t0, 1)}
+                )
 
         scaling = threading.Thread(target=scaler)
         scaling.start()
         while time.monotonic() - started < duration:
             # Memory and queue samples from the router's /metrics (cheap: no Ray driver per sample).
             snap = scrape(endpoint)
-            samples.append({"t": round(time.monotonic() - started, 1), "sent": tally["sent"], "procs": rss_by_role(), **snap})
+            samples.append(
+                {"t": round(time.monotonic() - started, 1), "sent": tally["sent"], "procs": rss_by_role(), **snap}
+            )
             stop.wait(5)  # sampling interval of the soak monitor
         stop.set()
         for t in threads:
@@ -143,13 +180,26 @@ def main(argv: list[str] | None = None) -> int:
     kv_back = final["kv_cache_usage"]
     lost = tally["sent"] - tally["complete"] - tally["incomplete"] - tally["failed"]
     result = {
-        "clients": args.clients, "minutes": args.minutes, "max_tokens": args.max_tokens,
-        "tally": tally, "lost": lost, "scale_events": events, "rss_drift": drifts, "rss_drift_by_process": process_drifts,
-        "kv_cache_usage_end": kv_back, "kv_cache_usage_start": baseline["kv_cache_usage"],
-        "replica_states": transitions, "samples": samples,
+        "clients": args.clients,
+        "minutes": args.minutes,
+        "max_tokens": args.max_tokens,
+        "tally": tally,
+        "lost": lost,
+        "scale_events": events,
+        "rss_drift": drifts,
+        "rss_drift_by_process": process_drifts,
+        "kv_cache_usage_end": kv_back,
+        "kv_cache_usage_start": baseline["kv_cache_usage"],
+        "replica_states": transitions,
+        "samples": samples,
     }
-    ok = (tally["failed"] == 0 and tally["incomplete"] == 0 and lost == 0 and all(v == 0.0 for v in kv_back.values())
-          and len(events) == 2)
+    ok = (
+        tally["failed"] == 0
+        and tally["incomplete"] == 0
+        and lost == 0
+        and all(v == 0.0 for v in kv_back.values())
+        and len(events) == 2
+    )
     lines = [
         f"# Soak: {args.clients} streaming clients, {args.minutes:g} min, decode scaled 1 -> 2 -> 1",
         "",

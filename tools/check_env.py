@@ -11,9 +11,27 @@ import sys
 
 # Modules the code imports, and why.
 REQUIRED = [
-    "vllm", "torch", "transformers", "transformers.models.qwen2", "ray", "grpc",
-    "google.protobuf", "pydantic", "yaml", "fastapi", "uvicorn", "httpx", "prometheus_client",
-    "tokenizers", "safetensors", "openai", "pytest", "hypothesis", "matplotlib", "psutil", "pdcluster",
+    "vllm",
+    "torch",
+    "transformers",
+    "transformers.models.qwen2",
+    "ray",
+    "grpc",
+    "google.protobuf",
+    "pydantic",
+    "yaml",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "prometheus_client",
+    "tokenizers",
+    "safetensors",
+    "openai",
+    "pytest",
+    "hypothesis",
+    "matplotlib",
+    "psutil",
+    "pdcluster",
 ]
 # Installed beside torch+cpu, these break `transformers` imports (torchvision::nms missing).
 FORBIDDEN = ["torchvision", "torchaudio", "torchcodec"]

@@ -112,9 +112,7 @@ def pair_check(tokens: int, layers: int) -> dict:
         parent.send("stop")
         proc.join(60)
     expected = make_cache("cpu", layers, num_blocks, seed=1)
-    intact = all(
-        torch.equal(dst[dst_ids].cpu(), src[src_ids]) for src, dst in zip(expected.tensors, local.tensors)
-    )
+    intact = all(torch.equal(dst[dst_ids].cpu(), src[src_ids]) for src, dst in zip(expected.tensors, local.tensors))
     best = min(times[1:] or times)
     copy_s = device_copy_seconds(device, nbytes)
     return {

@@ -92,8 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     staged_s = time.perf_counter() - t0
     ok = all(torch.equal(d[dst_ids], s[src_ids]) for s, d in zip(src.tensors, dst.tensors))
     nbytes = n * src.layout.bytes_per_block()
-    report.update(correct=ok, bytes=nbytes, staged_GBps=nbytes / staged_s / 1e9, host_return_s=host_return_s,
-                  no_hidden_sync=device.type == "cuda")
+    report.update(
+        correct=ok,
+        bytes=nbytes,
+        staged_GBps=nbytes / staged_s / 1e9,
+        host_return_s=host_return_s,
+        no_hidden_sync=device.type == "cuda",
+    )
 
     # Blocking reference: index + .cpu() per layer, then back to the device.
     synchronize(device)

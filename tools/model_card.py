@@ -32,9 +32,7 @@ def measure(model: Path, max_tokens: int, k: int) -> dict:
     counters = {m.name: m for m in llm.get_metrics()}
     drafts = counters["vllm:spec_decode_num_draft_tokens"].value
     accepted = counters["vllm:spec_decode_num_accepted_tokens"].value
-    samples = [
-        {"prompt": prompts[i], "completion": outputs[i].outputs[0].text} for i in (0, 7, 19)
-    ]
+    samples = [{"prompt": prompts[i], "completion": outputs[i].outputs[0].text} for i in (0, 7, 19)]
     texts = [o.outputs[0].text for o in outputs]
     return {
         "prompts": len(prompts),
@@ -82,7 +80,7 @@ def write_card(model: Path, report: dict, mtp: dict) -> None:
         "## Data",
         "",
         f"Python {report['corpus']['stdlib']} standard library sources (`*.py`, without `test/`,",
-        f"`tests/`, `idle_test/`, `site-packages/`). Files are split by a hash of their relative path:",
+        "`tests/`, `idle_test/`, `site-packages/`). Files are split by a hash of their relative path:",
         f"{c['train_files']} training files ({c['train_tokens']:,} tokens) and {c['heldout_files']}",
         f"held-out files ({c['heldout_tokens']:,} tokens) never used in training.",
         "",
@@ -102,8 +100,8 @@ def write_card(model: Path, report: dict, mtp: dict) -> None:
         "",
         "## Speculative decoding through vLLM",
         "",
-        f"`tools/model_card.py`: vLLM {mtp['vllm']}, `speculative_config={{\"method\": \"mtp\", "
-        f"\"num_speculative_tokens\": {mtp['num_speculative_tokens']}}}`, greedy, {mtp['prompts']} held-out prompts,",
+        f'`tools/model_card.py`: vLLM {mtp["vllm"]}, `speculative_config={{"method": "mtp", '
+        f'"num_speculative_tokens": {mtp["num_speculative_tokens"]}}}`, greedy, {mtp["prompts"]} held-out prompts,',
         f"{mtp['max_tokens']} tokens each: **acceptance rate {mtp['acceptance_rate']:.3f}** "
         f"({mtp['accepted_tokens']} accepted / {mtp['draft_tokens']} draft tokens).",
         "",

@@ -207,9 +207,7 @@ class MTPLayer(nn.Module):
         # vLLM masks the token embedding at position 0 (MiMoMultiTokenPredictorLayer).
         next_embeds = next_embeds.clone()
         next_embeds[:, 0] = 0
-        x = self.input_proj(
-            torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(next_embeds)], -1)
-        )
+        x = self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(next_embeds)], -1))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.final_layernorm(x)
@@ -230,9 +228,7 @@ class TinyMTPModel(nn.Module):
         self.s = s
         self.model = Backbone(s)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
-        inv_freq = 1.0 / (
-            s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
-        )
+        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.apply(self._init)
 
@@ -403,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
             recent = losses[-50:]
             logger.info(
                 "step %d/%d main %.3f mtp %.3f agree %.3f (%.0f s)",
-                step, args.steps,
+                step,
+                args.steps,
                 sum(r[0] for r in recent) / len(recent),
                 sum(r[1] for r in recent) / len(recent),
                 sum(r[2] for r in recent) / len(recent),

@@ -119,9 +119,7 @@ class PagedKVCache:
     def check_block_ids(self, block_ids: list[int] | tuple[int, ...]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
-            raise HandshakeError(
-                f"block ids {bad[:4]} outside this cache (num_blocks={self.num_blocks})"
-            )
+            raise HandshakeError(f"block ids {bad[:4]} outside this cache (num_blocks={self.num_blocks})")
 
     def chunk_plan(self, num_blocks: int, max_chunk_bytes: int) -> list[Chunk]:
         return chunk_plan(self.block_bytes, num_blocks, max_chunk_bytes)
@@ -133,8 +131,7 @@ class PagedKVCache:
 def _merged_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     """The address ranges the tensors' storages cover, overlapping ones merged."""
     spans = sorted(
-        (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-        for t in tensors
+        (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()) for t in tensors
     )
     merged: list[tuple[int, int]] = []
     for start, end in spans:

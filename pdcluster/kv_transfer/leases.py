@@ -72,18 +72,14 @@ class LeaseTable:
                     break
                 remaining = end - time.monotonic()
                 if remaining <= 0:
-                    raise LeaseNotFoundError(
-                        f"no KV lease for request {request_id} (expired, released or unknown)"
-                    )
+                    raise LeaseNotFoundError(f"no KV lease for request {request_id} (expired, released or unknown)")
                 self._cond.wait(remaining)
             if lease.state == LeaseState.RELEASED or lease.release_requested:
                 raise LeaseNotFoundError(f"KV lease for request {request_id} was already released")
             held = set(lease.block_ids)
             stray = [b for b in block_ids if b not in held]
             if stray:
-                raise LeaseNotFoundError(
-                    f"request {request_id} does not hold blocks {stray[:4]} (holds {len(held)})"
-                )
+                raise LeaseNotFoundError(f"request {request_id} does not hold blocks {stray[:4]} (holds {len(held)})")
             lease.state = LeaseState.TRANSFERRING
             lease.active_pulls += 1
             return lease
@@ -117,11 +113,7 @@ class LeaseTable:
         now = time.monotonic() if now is None else now
         with self._cond:
             for lease in self._leases.values():
-                if (
-                    lease.state == LeaseState.LEASED
-                    and not lease.release_requested
-                    and now >= lease.deadline
-                ):
+                if lease.state == LeaseState.LEASED and not lease.release_requested and now >= lease.deadline:
                     lease.expired = True
                     self._finish(lease)
             done, self._finished = self._finished, []

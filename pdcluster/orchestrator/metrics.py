@@ -19,24 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdcluster.engine.actor import process_tree_rss
 
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.08,
-    0.16,
-    0.32,
-    0.64,
-    1.28,
-    2.56,
-    5.12,
-    10.24,
-    20.48,
-    60.0,
-)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
 WINDOW_S = 60.0
 
 

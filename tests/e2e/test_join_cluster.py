@@ -19,9 +19,20 @@ pytestmark = pytest.mark.e2e
 def external_head(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [*ray_command(), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         "--include-dashboard=false", "--disable-usage-stats", "--num-cpus=2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            *ray_command(),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--num-cpus=2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     for line in proc.stdout:  # await the head's own "started" message
         if b"Ray runtime started" in line:
@@ -61,10 +72,14 @@ def test_up_joins_existing_ray_cluster(tmp_path, external_head):
         status = cli(tmp_path, "status", "--json", "--name", "e2e-join").stdout
         assert '"mode": "aggregated"' in status and '"state": "ready"' in status
         client = openai.OpenAI(base_url=endpoint + "/v1", api_key="unused", max_retries=0)
-        text = client.completions.create(model="tiny", prompt="import os\n", max_tokens=8, temperature=0).choices[0].text
+        text = (
+            client.completions.create(model="tiny", prompt="import os\n", max_tokens=8, temperature=0).choices[0].text
+        )
         assert text
     finally:
         cli(tmp_path, "down", "--name", "e2e-join", timeout=300)
     assert head.poll() is None and process_group_alive(head.pid)  # the external head still runs
-    ray_status = subprocess.run([*ray_command(), "status", f"--address={address}"], capture_output=True, text=True, timeout=120)
+    ray_status = subprocess.run(
+        [*ray_command(), "status", f"--address={address}"], capture_output=True, text=True, timeout=120
+    )
     assert ray_status.returncode == 0

@@ -31,9 +31,14 @@ def test_shipped_model_files():
 
 def test_loads_generates_and_mtp_is_accepted(tmp_path):
     spec = EngineSpec(
-        role="aggregated", engine_id="tiny-mtp", model=str(MODEL), served_model_name="tiny",
-        max_model_len=1024, engine_args={"enforce_eager": True},
-        speculative={"method": "mtp", "num_speculative_tokens": 1}, kv_cache_gib=1,
+        role="aggregated",
+        engine_id="tiny-mtp",
+        model=str(MODEL),
+        served_model_name="tiny",
+        max_model_len=1024,
+        engine_args={"enforce_eager": True},
+        speculative={"method": "mtp", "num_speculative_tokens": 1},
+        kv_cache_gib=1,
     )
     with run_engine(spec, tmp_path) as engine, engine.client() as client:
         body = {"model": "tiny", "prompt": list(heldout_prompts()), "max_tokens": 64, "temperature": 0}
