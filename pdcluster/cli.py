@@ -30,7 +30,9 @@ def out(text: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode serving on Ray + vLLM.")
+    parser = argparse.ArgumentParser(
+        prog="pdcluster", description="Disaggregated prefill/decode serving on Ray + vLLM."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="launch a cluster from a YAML file")
@@ -87,7 +89,9 @@ def _connect(session) -> Any:
     from pdcluster.orchestrator.controller import controller_name
 
     if not ray.is_initialized():
-        ray.init(address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(
+            address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING
+        )
     try:
         return ray.get_actor(controller_name(session.name), namespace=session.namespace)
     except ValueError:
@@ -97,7 +101,7 @@ def _connect(session) -> Any:
 def cmd_up(args: argparse.Namespace) -> int:
     import ray
 
-    from pdcluster.config import load_config, new_secret
+    from pdcluster.config import load_config, new_secret, read_credentials
     from pdcluster.orchestrator.controller import Controller, controller_name
     from pdcluster.orchestrator.session import Session, start_local_head, state_home
 
@@ -105,7 +109,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     existing = state_home() / f"{config.name}.json"
     if existing.exists():
         raise ConfigError(f"cluster {config.name!r} is already up (pdcluster down --name {config.name} first)")
-    secret = config.kv_transfer.resolve_secret(config.base_dir) or new_secret()
+    secret, _ = read_credentials(config)  # a missing or empty file stops `up` here, in one line
+    secret = secret or new_secret()
 
     head_pid = None
     if config.ray.address:
@@ -118,13 +123,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     session.save()
     try:
         ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False, logging_level=logging.WARNING)
-        controller = ray.remote(Controller).options(
-            name=controller_name(config.name),
-            namespace=config.ray.namespace,
-            lifetime="detached",
-            num_cpus=0,
-            max_concurrency=100,
-        ).remote(config.model_dump_json(), secret)
+        controller = (
+            ray.remote(Controller)
+            .options(
+                name=controller_name(config.name),
+                namespace=config.ray.namespace,
+                lifetime="detached",
+                num_cpus=0,
+                max_concurrency=100,
+            )
+            .remote(config.model_dump_json(), secret)
+        )
         session.endpoint = ray.get(controller.start.remote())
         session.save()
         if not _await_ready(controller, args.timeout):
@@ -207,7 +216,9 @@ def _connect_quietly(session) -> None:
 
         if not process_group_alive(session.head_pid):
             return  # the head is gone already: nothing to connect to
-    ray.init(address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(
+        address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -287,13 +298,18 @@ def cmd_scale(args: argparse.Namespace) -> int:
         if isinstance(cause, ConfigError):
             raise cause from None
         raise
-    out(f"{args.role}: {args.replicas} replicas (adding {result['added'] or 'none'}, draining {result['draining'] or 'none'})")
+    out(
+        f"{args.role}: {args.replicas} replicas (adding {result['added'] or 'none'}, draining {result['draining'] or 'none'})"
+    )
     if args.wait:
         deadline = time.monotonic() + args.timeout
         while True:
             ray.get(controller.wait_ready.remote(2.0))
             rows = [r for r in ray.get(controller.status.remote())["replicas"] if r["role"] == args.role]
-            settled = all(r["state"] in ("ready", "dead") for r in rows) and sum(r["state"] == "ready" for r in rows) == args.replicas
+            settled = (
+                all(r["state"] in ("ready", "dead") for r in rows)
+                and sum(r["state"] == "ready" for r in rows) == args.replicas
+            )
             if settled:
                 break
             if time.monotonic() > deadline:
@@ -313,7 +329,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "scale": cmd_scale, "config": cmd_config, "bench": cmd_bench}
+COMMANDS = {
+    "up": cmd_up,
+    "down": cmd_down,
+    "status": cmd_status,
+    "scale": cmd_scale,
+    "config": cmd_config,
+    "bench": cmd_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

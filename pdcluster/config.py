@@ -177,6 +177,22 @@ class RouterSection(_Model):
     )
     fault_injection: RouterFaultInjection = Field(default_factory=RouterFaultInjection, description="Tests/drills.")
 
+    def read_api_keys(self) -> list[str]:
+        """`api_keys` plus those of `api_keys_file` (one per line, `#` starts a comment line). A
+        file that holds no key is refused, as an empty secret_file is: it would leave the router
+        open while the operator meant to close it."""
+        keys = list(self.api_keys)
+        if self.api_keys_file:
+            try:
+                lines = Path(self.api_keys_file).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"router.api_keys_file: {exc.strerror or exc} ({self.api_keys_file})") from None
+            found = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            if not found:
+                raise ConfigError(f"router.api_keys_file: {self.api_keys_file} holds no key")
+            keys += found
+        return keys
+
 
 class RaySection(_Model):
     address: str | None = Field(None, description="Existing cluster (e.g. 127.0.0.1:6379); empty: start a local head.")
@@ -289,8 +305,20 @@ def load_config(path: str | Path) -> ClusterConfig:
     elif not model_path.is_absolute() and model_path.exists():
         config.model.path = str(model_path.resolve())
     config._base_dir = base
+    # Files named in the YAML are relative to it, wherever the command runs (the controller
+    # runs elsewhere); `up` reads them before it starts anything (read_credentials).
+    for section, field in ((config.router, "api_keys_file"), (config.kv_transfer, "secret_file")):
+        named = getattr(section, field)
+        if named and not Path(named).is_absolute():
+            setattr(section, field, str(base / named))
     check_model(config, str(path))
     return config
+
+
+def read_credentials(config: ClusterConfig) -> tuple[str | None, list[str]]:
+    """The KV secret (None: none configured) and the router's API keys, read from the files the
+    config names; a missing or empty file is a ConfigError naming its field."""
+    return config.kv_transfer.resolve_secret(config.base_dir), config.router.read_api_keys()
 
 
 def check_model(config: ClusterConfig, source: str) -> None:

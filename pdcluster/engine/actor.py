@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from pdcluster.engine.spec import EngineSpec
@@ -92,6 +93,10 @@ class EngineActor:
                 self.error = f"{type(exc).__name__}: {exc}"
                 logger.exception("engine %s failed to start", self.spec.engine_id)
                 raise
+            finally:
+                # Every process of the engine read the secret while it started: a file left
+                # behind would outlive an actor that is killed.
+                self._remove_secret_file()
             self.stage = "ready"
             return self.info()
 
@@ -114,6 +119,10 @@ class EngineActor:
         if self.host is not None:
             await self.host.stop()
             self.host = None
-        if self._secret_path is not None and os.path.exists(self._secret_path):
-            os.unlink(self._secret_path)
+        self._remove_secret_file()
         self.stage = "stopped"
+
+    def _remove_secret_file(self) -> None:
+        if self._secret_path is not None:
+            Path(self._secret_path).unlink(missing_ok=True)
+            self._secret_path = None

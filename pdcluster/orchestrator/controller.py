@@ -171,15 +171,7 @@ class Controller:
         return self.endpoint
 
     def _api_keys(self) -> list[str]:
-        keys = list(self.config.router.api_keys)
-        if self.config.router.api_keys_file:
-            path = self.config.router.api_keys_file
-            try:
-                with open(path) as f:
-                    keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
-            except OSError as exc:
-                raise ConfigError(f"router.api_keys_file: {exc}") from exc
-        return keys
+        return self.config.router.read_api_keys()  # the path is absolute (config.load_config)
 
     def _add_replica(self, role: RoleName) -> Replica:
         index = next(self._counters[role])

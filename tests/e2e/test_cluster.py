@@ -5,6 +5,7 @@ prefill + decode actors, router), the official openai client, scaling under load
 from __future__ import annotations
 
 import re
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,8 +83,12 @@ def reference(tmp_path_factory):
     return {"completions": completions, "chat": chats, "prefixed": prefixed, "logprobs": logprobs}
 
 
+STARTED: list[float] = []  # when this module's cluster came up
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, reference):
+    STARTED.append(time.time())
     home = tmp_path_factory.mktemp("pdcluster-home")
     config = write_config(home / "cluster.yaml", name="e2e-local", router={"api_keys": [API_KEY]})
     with cluster_up(home, config) as running:
@@ -174,6 +179,13 @@ def test_streams_take_their_first_token_from_the_prefill(cluster, client, refere
     after = _first_token_sources(cluster)
     assert after.get("prefill", 0) - before.get("prefill", 0) == 1
     assert after.get("decode", 0) - before.get("decode", 0) == 2  # the JSON request and the stop one
+
+
+def test_no_secret_file_outlives_the_engines_start(cluster):
+    """Each engine actor wrote the KV secret to a private file for its engine's processes; once
+    they run, the file is gone (an actor killed later leaves nothing behind)."""
+    left = [p for p in Path(tempfile.gettempdir()).glob("pdcluster-kv-*.secret") if p.stat().st_mtime >= STARTED[0]]
+    assert left == []
 
 
 def test_models_health_and_metrics(cluster):

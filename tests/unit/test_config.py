@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdcluster.config import load_config, validate_config
+from pdcluster.config import load_config, read_credentials, validate_config
 from pdcluster.errors import ConfigError
 from pdcluster.orchestrator.controller import engine_spec
 from pdcluster.vllm_plugin import IDLE_RECHECK_MS
@@ -144,3 +144,43 @@ def test_worker_spin_setting_reaches_vllms_step_queues(process, spin):
     env = {**os.environ, **engine_env}  # the engine marker and PDCLUSTER_WORKER_SPIN_MS=5
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split()[-2:] == [spin, str(IDLE_RECHECK_MS)]
+
+
+def _yaml(path: Path, **sections) -> Path:
+    path.write_text(yaml.safe_dump({"model": {"path": str(ROOT / "models" / "pdcluster-tiny-code")}, **sections}))
+    return path
+
+
+def test_key_and_secret_files_resolve_against_the_yaml_and_must_hold_something(tmp_path):
+    """router.api_keys_file and kv_transfer.secret_file are read relative to the YAML file,
+    wherever the command runs, and refused when they hold nothing (an empty keys file would
+    have left the router open: the two used to disagree)."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "keys").write_text("# operators\nsk-one\n\nsk-two\n")
+    (conf / "secret").write_text("s3cret\n")
+    path = _yaml(conf / "c.yaml", router={"api_keys_file": "keys"}, kv_transfer={"secret_file": "secret"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cwd = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        config = load_config(path)
+    finally:
+        os.chdir(cwd)
+    assert config.router.api_keys_file == str(conf / "keys")
+    assert read_credentials(config) == ("s3cret", ["sk-one", "sk-two"])
+    (conf / "keys").write_text("# nobody yet\n\n")
+    with pytest.raises(ConfigError, match=r"router.api_keys_file: .*keys holds no key"):
+        read_credentials(load_config(path))
+    (conf / "keys").write_text("sk-one\n")
+    (conf / "secret").write_text("\n")
+    with pytest.raises(ConfigError, match=r"kv_transfer.secret_file: .*secret is empty"):
+        read_credentials(load_config(path))
+    missing = _yaml(conf / "m.yaml", router={"api_keys_file": "nope"})
+    with pytest.raises(ConfigError, match=r"router.api_keys_file: No such file"):
+        read_credentials(load_config(missing))
+    # `up` stops on it with one line, before it starts anything
+    result = cli("up", str(missing))
+    assert result.returncode == 2 and "router.api_keys_file: No such file" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
