@@ -109,7 +109,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     existing = state_home() / f"{config.name}.json"
     if existing.exists():
         raise ConfigError(f"cluster {config.name!r} is already up (pdcluster down --name {config.name} first)")
-    secret, _ = read_credentials(config)  # a missing or empty file stops `up` here, in one line
+    secret, api_keys = read_credentials(config)  # a missing or empty file stops `up` here, in one line
     secret = secret or new_secret()
 
     head_pid = None
@@ -132,7 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 num_cpus=0,
                 max_concurrency=100,
             )
-            .remote(config.model_dump_json(), secret)
+            .remote(config.model_dump_json(), secret, api_keys)
         )
         session.endpoint = ray.get(controller.start.remote())
         session.save()

@@ -265,7 +265,8 @@ def _format_error(err: dict[str, Any]) -> str:
             return f"{loc}.{message}" if loc else message
     else:
         message = err["msg"].rstrip(".")
-        if "input" in err and kind not in ("literal_error",):
+        secret = any("secret" in str(part) or "api_keys" in str(part) for part in err["loc"])
+        if "input" in err and kind not in ("literal_error",) and not secret:  # never echo a credential
             message += f" (got {err['input']!r})"
     return f"{loc}: {message}" if loc else message
 

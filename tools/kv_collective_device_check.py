@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from pdcluster.kv_transfer.kv_cache import PagedKVCache  # noqa: E402
 from pdcluster.kv_transfer.producer import KVProducer  # noqa: E402
+from pdcluster.kv_transfer.settings import KVTransferSettings  # noqa: E402
 from pdcluster.kv_transfer.staging import BlockScatterer  # noqa: E402
 from pdcluster.kv_transfer.transports import create_transport, serve_backends  # noqa: E402
-from pdcluster.kv_transfer.transports.base import CacheSink, TransportSettings  # noqa: E402
+from pdcluster.kv_transfer.transports.base import CacheSink  # noqa: E402
 
 SECRET = "device-check"
 BLOCK, KV_HEADS, HEAD_DIM = 16, 4, 128
@@ -51,8 +52,8 @@ def make_cache(device: str, layers: int, num_blocks: int, seed: int | None) -> P
     return PagedKVCache(tensors, model="device-check", block_size=BLOCK)
 
 
-def settings(device: str) -> TransportSettings:
-    return TransportSettings(secret=SECRET, pull_timeout_s=120, device=device)
+def settings() -> KVTransferSettings:
+    return KVTransferSettings(secret=SECRET, pull_timeout_seconds=120, port_range=(0, 0))
 
 
 def producer_main(conn, device: str, layers: int, num_blocks: int, ids: list[int]) -> None:
@@ -60,7 +61,7 @@ def producer_main(conn, device: str, layers: int, num_blocks: int, ids: list[int
     cache = make_cache(device, layers, num_blocks, seed=1)
     producer = KVProducer(cache, "check-prefill", max_chunk_bytes=4 << 20)
     producer.leases.add("check", ids, time.monotonic() + 3600)
-    server = serve_backends(["collective"], settings(device), producer, "127.0.0.1", 0)
+    server = serve_backends(["collective"], settings(), producer, "127.0.0.1", 0, device)
     conn.send(server.address)
     conn.recv()
     server.stop(0)
@@ -95,7 +96,7 @@ def pair_check(tokens: int, layers: int) -> dict:
         device = f"{kind}:1"
         torch.accelerator.set_device_index(1)
         local = make_cache(device, layers, num_blocks, seed=None)
-        client = create_transport("collective", settings(device)).connect(address)
+        client = create_transport("collective", settings(), device).connect(address)
         client.handshake(local.layout, "check-decode")
         times = []
         for _ in range(3):

@@ -22,7 +22,8 @@ The reaches, by module:
                  SHM_READER_RECHECK_INTERVAL_MS): vllm_plugin.py
   vllm_engine    cpu_worker_base, parse_cpu_list, executor_choice, run_model_in_engine_core
                  (CPUWorker.init_device, parse_id_list, ParallelConfig): engine/single_process.py;
-                 truncate_prompt (Request._all_token_ids ...): kv_transfer/scheduler.py;
+                 truncate_prompt (Request._all_token_ids ...), blocks_and_local_hit
+                 (KVCacheBlocks.blocks, KVCacheBlock.block_hash): kv_transfer/scheduler.py;
                  stat_logger_base (StatLoggerBase.record, SchedulerStats): engine/stats.py
   vllm_frontend  openai_frontend_args, build_openai_app (launchers' make_arg_parser, build_app,
                  init_app_state), platform_device (current_platform): engine/host.py;
@@ -49,6 +50,8 @@ from pdcluster.compat.guard import (
 )
 from pdcluster.compat.torch_dist import gloo_options, gloo_pair_group, hccl_pair_group, nccl_pair_group
 from pdcluster.compat.vllm_engine import (
+    blocks_and_local_hit,
+    check_blocks_shape,
     check_request_shape,
     cpu_worker_base,
     cpu_worker_name,
@@ -90,6 +93,7 @@ def shape_checks() -> dict[str, Callable[[], Any]]:
         "parse_cpu_list": _parse_check,
         "run_model_in_engine_core": lambda: expect_executor_backend("uni"),
         "truncate_prompt": check_request_shape,
+        "blocks_and_local_hit": check_blocks_shape,
         "stat_logger_base": stat_logger_base,
         "openai_frontend_args": lambda: openai_frontend_args(["--model", "m", "--port", "0"]),
         "build_openai_app": app_builders,
@@ -118,6 +122,7 @@ __all__ = [
     "UntestedVLLMError",
     "VLLMShapeError",
     "answer_vllm_version_lookup",
+    "blocks_and_local_hit",
     "build_openai_app",
     "check_vllm_version",
     "cli_main",

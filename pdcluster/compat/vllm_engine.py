@@ -117,6 +117,38 @@ def truncate_prompt(request: Any, n: int) -> None:
     request.max_tokens = 1
 
 
+def blocks_and_local_hit(blocks: Any) -> tuple[list[int], int]:
+    """A request's block ids in token order (one KV cache group: unpacking raises on more) and
+    how many leading ones its local prefix cache supplied.
+
+    Upstream: `vllm.v1.core.kv_cache_manager.KVCacheBlocks.blocks` and `KVCacheBlock.block_id /
+    block_hash / is_null`, as the connector hook `update_state_after_alloc` receives them, and
+    vLLM's scheduler delaying the caching of an asynchronous load's blocks (`delay_cache_blocks`):
+    the blocks of the local hit are hashed then, the newly allocated ones not yet. vLLM's NIXL
+    connector reads its hit the same way. Why: the hit is known without remembering what
+    `get_num_new_matched_tokens` was asked, which must have no side effects."""
+    (group,) = blocks.blocks
+    cached = 0
+    for block in group:
+        if block.block_hash is None or block.is_null:
+            break
+        cached += 1
+    return [block.block_id for block in group], cached
+
+
+def check_blocks_shape() -> None:
+    """blocks_and_local_hit on real vLLM blocks: one hashed, one fresh."""
+    block_cls = resolve("vllm.v1.core.kv_cache_utils", "KVCacheBlock")
+    blocks_cls = resolve("vllm.v1.core.kv_cache_manager", "KVCacheBlocks")
+    hashed, fresh = block_cls(7), block_cls(9)
+    expect_attributes(
+        hashed, "vllm.v1.core.kv_cache_utils.KVCacheBlock", ("block_id", "block_hash", "is_null", "set_block_hash")
+    )
+    hashed.set_block_hash(b"pdcluster-shape-check")
+    if blocks_and_local_hit(blocks_cls(([hashed, fresh],))) != ([7, 9], 1):
+        raise VLLMShapeError("KVCacheBlocks / KVCacheBlock: the local hit is not read off the blocks as expected")
+
+
 def check_request_shape() -> None:
     """truncate_prompt on a real vLLM Request: it must come out shortened."""
     request_cls = resolve("vllm.v1.request", "Request")

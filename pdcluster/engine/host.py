@@ -61,7 +61,15 @@ class EngineHost:
         self._failures: FailureInbox | None = None
 
     async def start(self) -> str:
-        """Start the engine and the HTTP app; returns the base URL once both accept requests."""
+        """Start the engine and the HTTP app; returns the base URL once both accept requests.
+        A start that fails leaves nothing running (what it had started is stopped)."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> str:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -180,3 +188,4 @@ class EngineHost:
         if self._failures is not None:
             self._failures.close()
             self._failures = None
+            os.environ.pop(FAILURE_SOCKET_ENV, None)

@@ -3,9 +3,9 @@
 With `kv_transfer.failure_policy: fail`, vLLM finishes a request whose KV load failed with an
 error and its OpenAI server answers 500 "Internal server error" (or, streaming, an error event).
 This ASGI middleware on the engine's app rewrites exactly that answer for exactly that request:
-it reads the request's lease (`remote_request_id` of its kv_transfer_params), and when the
-engine's answer is an error it asks the failure inbox (kv_transfer/failures.py) whether that
-lease's pull failed; if so the client gets 502 `kv_transfer_error` naming both engines and the
+when the engine's answer is an error it reads the request's lease (`remote_request_id` of its
+kv_transfer_params) and asks the failure inbox (kv_transfer/failures.py) whether that lease's
+pull failed; if so the client gets 502 `kv_transfer_error` naming both engines and the
 pull's reason. Every other request and answer passes through untouched.
 """
 
@@ -54,39 +54,29 @@ class KVErrorAnswers:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in GENERATE_PATHS:
             await self.app(scope, receive, send)
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        lease = lease_of(body)
-        replayed = False
+        chunks: list[bytes] = []
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # the client's disconnect, when it comes
+        async def keep():
+            message = await receive()  # the app reads the body anyway: keep a reference to it
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+            return message
 
-        if lease is None:
-            await self.app(scope, replay, send)
-            return
-        await self.app(scope, replay, _Rewriter(send, self, lease))
+        await self.app(scope, keep, _Rewriter(send, self, chunks))
 
-    def explained(self, lease: str) -> dict[str, Any] | None:
-        found = self.inbox.take(lease)
+    def explained(self, body_chunks: list[bytes]) -> dict[str, Any] | None:
+        """The error for a request whose answer is an error: its pull's failure, if it had one
+        (the request's body is parsed only here, on an error)."""
+        lease = lease_of(b"".join(body_chunks))
+        found = None if lease is None else self.inbox.take(lease)
         return None if found is None else kv_error_body(found[0], self.engine_id, found[1])
 
 
 class _Rewriter:
     """The engine's `send` for one request: errors of a failed pull carry its reason."""
 
-    def __init__(self, send, owner: KVErrorAnswers, lease: str):
-        self.send, self.owner, self.lease = send, owner, lease
+    def __init__(self, send, owner: KVErrorAnswers, body_chunks: list[bytes]):
+        self.send, self.owner, self.body_chunks = send, owner, body_chunks
         self.held: dict[str, Any] | None = None  # the start of a 5xx answer, until its body is known
         self.held_body: list[bytes] = []
         self.streaming = False
@@ -115,13 +105,13 @@ class _Rewriter:
         await self.send(message)
 
     def _event(self, match: re.Match) -> bytes:
-        explained = self.owner.explained(self.lease)
+        explained = self.owner.explained(self.body_chunks)
         return match.group(0) if explained is None else b"data: " + json.dumps(explained).encode()
 
     async def _send_held(self) -> None:
         start, body = self.held, b"".join(self.held_body)
         self.held = None
-        explained = self.owner.explained(self.lease)
+        explained = self.owner.explained(self.body_chunks)
         if explained is not None:
             body = json.dumps(explained).encode()
             start = {

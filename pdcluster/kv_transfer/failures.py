@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
+import selectors
 import socket
 import tempfile
 import threading
@@ -71,11 +71,14 @@ class FailureInbox:
         self._reader.start()
 
     def _read(self) -> None:
-        while True:
-            ready, _, _ = select.select([self._sock, self._wake_r], [], [])
-            if self._wake_r in ready:
-                return
-            self.drain()
+        with selectors.DefaultSelector() as selector:  # poll/epoll: any fd number
+            selector.register(self._sock, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = selector.select()
+                if any(key.fileobj == self._wake_r for key, _ in ready):
+                    return
+                self.drain()
 
     def drain(self) -> None:
         """Move what the socket holds into the table (never waits)."""

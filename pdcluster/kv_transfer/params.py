@@ -57,8 +57,10 @@ class KVParams:
         try:
             endpoints = params["remote_endpoints"]
             blocks = params["remote_block_ids"]
-            if not isinstance(endpoints, list) or not endpoints or not isinstance(blocks, list):
-                raise ValueError("remote_endpoints and remote_block_ids must be non-empty lists")
+            if not isinstance(endpoints, list) or not endpoints:
+                raise ValueError("remote_endpoints must be a non-empty list")
+            if not isinstance(blocks, list):
+                raise ValueError("remote_block_ids must be a list")
             out = cls(
                 remote_engine_id=str(params["remote_engine_id"]),
                 remote_request_id=str(params["remote_request_id"]),

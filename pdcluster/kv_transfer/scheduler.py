@@ -20,6 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from pdcluster import compat
 from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
@@ -41,19 +42,6 @@ logger = logging.getLogger(__name__)
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def local_hit_blocks(blocks: KVCacheBlocks) -> tuple[list[int], int]:
-    """The request's block ids in token order and how many of the leading ones its local prefix
-    cache supplied: those are hashed, the freshly allocated ones are not yet (vLLM delays
-    caching the blocks of an asynchronous load). One KV cache group: unpacking raises on more."""
-    (group,) = blocks.blocks
-    cached = 0
-    for block in group:
-        if block.block_hash is None or block.is_null:
-            break
-        cached += 1
-    return [block.block_id for block in group], cached
 
 
 class ConnectorScheduler:
@@ -105,9 +93,7 @@ class ConnectorScheduler:
             or request.get_skip_reading_prefix_cache()
         ):
             return
-        from pdcluster.compat import truncate_prompt  # Request has no API to be shortened
-
-        truncate_prompt(request, backoff)
+        compat.truncate_prompt(request, backoff)  # a Request has no API to be shortened
         params[kvp.PREFILL_TRUNCATED] = True
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
@@ -149,7 +135,7 @@ class ConnectorScheduler:
             # Everything was in the local prefix cache: P's blocks are not needed.
             self._meta.releases.append(ReleaseSpec(lease, "local prefix cache hit"))
             return
-        block_ids, num_cached = local_hit_blocks(blocks)
+        block_ids, num_cached = compat.blocks_and_local_hit(blocks)
         total = cdiv(num_cached * self.block_size + num_external_tokens, self.block_size)
         local = block_ids[num_cached:total]
         remote = lease.remote_block_ids[num_cached:total]

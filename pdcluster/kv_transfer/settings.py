@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from pdcluster.errors import ConfigError
 
 Backend = Literal["auto", "grpc", "shm", "collective"]
-BACKENDS: tuple[str, ...] = ("auto", "grpc", "shm", "collective")
 EPHEMERAL_PORTS = (0, 0)
 MAX_CHUNK_LIMIT = 256 << 20  # gRPC messages carry a chunk; grpcio refuses sizes near 2 GiB
 
@@ -41,16 +40,6 @@ class FaultInjection(_Section):
     serve_delay_rate: float = Field(1.0, ge=0, le=1, description="... for this share of pulls.")
     unreachable_rate: float = Field(0.0, ge=0, le=1, description="Decode: dial a closed port instead of the prefill.")
     seed: int = Field(0, description="Seed of the fault dice.")
-
-    @property
-    def active(self) -> bool:
-        return bool(
-            self.pull_failure_rate
-            or self.drop_release_rate
-            or self.pull_delay_s
-            or self.serve_delay_s
-            or self.unreachable_rate
-        )
 
 
 class KVTransferSettings(_Section):

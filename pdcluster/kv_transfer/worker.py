@@ -5,10 +5,11 @@ announced by the scheduler are registered with the event recorded after the prev
 forward (the one that wrote their blocks), and released/expired leases are reported as
 `finished_sending` so vLLM frees the blocks.
 
-Consumer: pulls announced by the scheduler run on a small thread pool: pick the backend for this
-producer (transports/selection.py), connect + handshake (once per producer endpoint and backend),
-move the blocks into the local cache through the staging scatterer, then release the producer's
-lease. Completed pulls are reported as `finished_recving` after the
+Consumer: pulls announced by the scheduler run on a small thread pool: the gRPC control handshake
+with the producer's endpoint (once; it says where the producer runs and what it offers), the
+backend picked from that (transports/selection.py, its own handshake once per endpoint), the
+blocks moved into the local cache through the staging scatterer, then the producer's lease
+released. Completed pulls are reported as `finished_recving` after the
 compute stream was made to wait on their copy event; failed ones also as `failed_recving`, and
 vLLM recomputes or fails the request per `kv_load_failure_policy`. Every pull has a deadline.
 """

@@ -123,10 +123,13 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
 
 
 class Controller:
-    def __init__(self, config_json: str, secret: str):
+    def __init__(self, config_json: str, secret: str, api_keys: list[str] | None = None):
+        """`secret` and `api_keys` are what `up` read from the files the config names, on its
+        own machine (the controller may run on another node)."""
         setup_logging()
         self.config = ClusterConfig.model_validate_json(config_json)
         self._secret = secret
+        self._given_api_keys = api_keys
         self._retired: list[Replica] = []
         self._restarts: dict[str, list[float]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
@@ -171,7 +174,9 @@ class Controller:
         return self.endpoint
 
     def _api_keys(self) -> list[str]:
-        return self.config.router.read_api_keys()  # the path is absolute (config.load_config)
+        if self._given_api_keys is not None:
+            return list(self._given_api_keys)
+        return self.config.router.read_api_keys()
 
     def _add_replica(self, role: RoleName) -> Replica:
         index = next(self._counters[role])

@@ -104,5 +104,16 @@ def test_bf16_concurrent_batch_and_prefix_hit_match_up_to_near_ties(engines):
     for i, (want, got) in enumerate(zip(expected, results)):
         assert_same_greedy(want, got, DTYPE, f"prompt {i}")
     # The same long prompt again: decode's prefix cache holds its whole blocks, only the rest is pulled.
+    start = decode_stats(engines)
+    handoff(engines, token_prompt(20, offset=9100), 2)  # a one-block prompt: one block's bytes
+    before = decode_stats(engines)
     again = handoff(engines, prompts[-1], 16)
+    after = decode_stats(engines)
     assert_same_greedy(expected[-1], again, DTYPE, "prefix-cache hit")
+    assert len(prompts[-1]) > BLOCK and after["kv_pulls_ok"] == before["kv_pulls_ok"] + 1
+    one_block = before["kv_bytes_received"] - start["kv_bytes_received"]
+    assert after["kv_bytes_received"] - before["kv_bytes_received"] == one_block  # the last block only
+
+
+def decode_stats(engines) -> dict:
+    return httpx.get(engines["decode"].url + "/pdcluster/info", timeout=30).json()["stats"]

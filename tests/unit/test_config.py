@@ -184,3 +184,10 @@ def test_key_and_secret_files_resolve_against_the_yaml_and_must_hold_something(t
     result = cli("up", str(missing))
     assert result.returncode == 2 and "router.api_keys_file: No such file" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_bad_credential_is_named_but_never_echoed():
+    for section in ({"kv_transfer": {"secret": 987654321}}, {"router": {"api_keys": [987654321]}}):
+        with pytest.raises(ConfigError) as info:
+            validate_config({**BASE, **section})
+        assert "987654321" not in str(info.value) and "valid string" in str(info.value)

@@ -185,3 +185,31 @@ def test_lease_is_never_freed_mid_transfer():
 def test_unknown_transport_name_lists_the_available_ones():
     with pytest.raises(ValueError, match="available: collective, grpc, shm"):
         create_transport("carrier-pigeon", KVTransferSettings(secret="x"))
+
+
+def test_a_producer_that_names_no_offers_is_served_over_grpc():
+    """A producer from before the handshake named its offers (an older pdcluster beside this
+    one, the same protocol version) answers with none: the consumer takes the grpc every
+    producer serves instead of refusing to pull."""
+    from pdcluster.kv_transfer.transports.grpc_transport import GrpcServer
+    from pdcluster.kv_transfer.transports.selection import choose_backend, node_id
+
+    producer = KVProducer(make_cache(), "prefill-old", max_chunk_bytes=4096)
+    settings = KVTransferSettings(secret=SECRET, max_chunk_bytes=4096)
+    server = GrpcServer(producer, "127.0.0.1", 0, settings, offers=())
+    client = create_transport("grpc", settings).connect(server.address)
+    try:
+        info = client.handshake(make_cache(fill="zeros").layout, "decode-0")
+    finally:
+        client.close()
+        server.stop(0)
+    assert info.offers == ("grpc",)
+    chosen = choose_backend(
+        "auto",
+        local_node=node_id(),
+        local_device="cpu",
+        remote_node=info.node_id,
+        remote_device=info.device_kind,
+        remote_offers=info.offers,
+    )
+    assert chosen == "grpc"

@@ -39,7 +39,8 @@ def test_round_trip_and_flags():
     ("change", "message"),
     [
         ({"remote_block_ids": None}, "malformed"),
-        ({"remote_endpoints": []}, "non-empty lists"),
+        ({"remote_endpoints": []}, "remote_endpoints must be a non-empty list"),
+        ({"remote_block_ids": "1,2"}, "remote_block_ids must be a list"),
         ({"remote_block_ids": [1, "2"]}, "not an integer"),
         ({"remote_block_ids": [1, True]}, "not an integer"),
         ({"remote_block_ids": [-1]}, "negative"),

@@ -222,3 +222,23 @@ def test_a_kv_failure_in_the_decode_stream_reaches_the_client_as_what_it_is(serv
     assert error["error"] == failure
     assert [c.method for c in decode.calls] == ["POST"]  # nothing asked afterwards
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="kv_transfer_error"}') == 1
+
+
+def test_a_prefill_answer_without_a_usable_lease_is_an_upstream_error(serve):
+    """A 200 from the prefill whose body is a JSON list (not an answer), or an answer whose
+    lease does not validate: the client gets a clear 502, counted; nothing reaches decode."""
+
+    async def not_an_answer(call, out):
+        await out.json(["not", "an", "answer"])  # type: ignore[arg-type]
+
+    async def bad_lease(call, out):
+        await out.json({"choices": [], "kv_transfer_params": {"remote_engine_id": "p"}})
+
+    for answer, why in ((not_an_answer, "unusable answer"), (bad_lease, "lacks 'remote_endpoints'")):
+        router = Router(RouterSettings(model_name="tiny"))
+        decode = StandIn(decode_answer)
+        response, _ = serve(router, {"prefill-0": StandIn(answer), "decode-0": decode}, COMPLETION, [])
+        assert response.status_code == 502, response.text
+        assert response.json()["error"]["type"] == "upstream_error" and why in response.json()["error"]["message"]
+        assert decode.posts() == []
+        assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="upstream_error"}') == 1

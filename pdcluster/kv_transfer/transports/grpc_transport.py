@@ -307,7 +307,8 @@ class GrpcClient(TransportClient):
             layout=remote,
             node_id=reply.node_id,
             device_kind=reply.device_kind,
-            offers=tuple(reply.offers),
+            # A producer from before these fields offers what every producer serves: grpc.
+            offers=tuple(reply.offers) or ("grpc",),
         )
 
     def pull_request(self, request_id: str, block_ids: Sequence[int], engine_id: str) -> pb.PullRequest:

@@ -235,11 +235,11 @@ class PhaseRunner:
         if response.status_code != 200:
             h.finish(outcome_for(response.status_code), e2e=False)
             return Response(response.content, status_code=response.status_code, media_type="application/json")
-        answer = response.json()
         try:
+            answer = response.json()
             lease = KVParams.from_dict(answer.get("kv_transfer_params"))
-        except ValueError as exc:
-            raise ReplicaError(f"prefill replica {prefill.replica_id} returned unusable {exc}") from None
+        except (ValueError, AttributeError) as exc:  # not JSON, not an object, or no usable lease
+            raise ReplicaError(f"prefill replica {prefill.replica_id} returned an unusable answer: {exc}") from None
         if self._faults.random() < self.settings.abandon_after_prefill_rate:
             # Injected fault: the client is gone between phases; nobody pulls this KV.
             h.finish("abandoned", e2e=False)
@@ -275,7 +275,7 @@ class PhaseRunner:
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
-            h.finish(outcome_for(upstream.status_code), e2e=False)
+            h.finish(outcome_for(upstream.status_code, content), e2e=False)
             return Response(content, status_code=upstream.status_code, media_type="application/json", headers=headers)
         relay = Relay(h, upstream)
         clock = TokenClock(self.metrics, replica.replica_id, h.started)
@@ -319,9 +319,9 @@ class PhaseRunner:
             relay.upstream = upstream
             decode = h.answering
             if upstream.status_code != 200:
-                h.outcome = outcome_for(upstream.status_code)
-                content = (await upstream.aread()).decode(errors="replace")
-                yield f"data: {content}\n\n".encode()
+                raw = await upstream.aread()
+                h.outcome = outcome_for(upstream.status_code, raw)
+                yield f"data: {raw.decode(errors='replace')}\n\n".encode()
                 return
             rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first)
             async for chunk in relay_events(upstream, decode.replica_id, h, clock, rewrite):
