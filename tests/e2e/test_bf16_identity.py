@@ -103,16 +103,18 @@ def test_bf16_concurrent_batch_and_prefix_hit_match_up_to_near_ties(engines):
         results = list(pool.map(lambda p: handoff(engines, p, 16), prompts))
     for i, (want, got) in enumerate(zip(expected, results)):
         assert_same_greedy(want, got, DTYPE, f"prompt {i}")
-    # The same long prompt again: decode's prefix cache holds its whole blocks, only the rest is pulled.
+    # The same long prompt again: decode's prefix cache holds its leading blocks, only the rest is
+    # pulled (with MTP, vLLM drops the last block of a hit: the drafter needs that block's states).
     start = decode_stats(engines)
     handoff(engines, token_prompt(20, offset=9100), 2)  # a one-block prompt: one block's bytes
     before = decode_stats(engines)
     again = handoff(engines, prompts[-1], 16)
     after = decode_stats(engines)
     assert_same_greedy(expected[-1], again, DTYPE, "prefix-cache hit")
-    assert len(prompts[-1]) > BLOCK and after["kv_pulls_ok"] == before["kv_pulls_ok"] + 1
+    assert after["kv_pulls_ok"] == before["kv_pulls_ok"] + 1
     one_block = before["kv_bytes_received"] - start["kv_bytes_received"]
-    assert after["kv_bytes_received"] - before["kv_bytes_received"] == one_block  # the last block only
+    pulled, blocks = after["kv_bytes_received"] - before["kv_bytes_received"], -(-len(prompts[-1]) // BLOCK)
+    assert pulled % one_block == 0 and 1 <= pulled // one_block < blocks, (pulled, one_block, blocks)
 
 
 def decode_stats(engines) -> dict:
