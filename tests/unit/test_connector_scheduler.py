@@ -205,7 +205,7 @@ def test_producer_leases_what_it_computed(tmp_path):
 
     scheduler, hasher = make_scheduler(vllm_config(tmp_path, "kv_producer"))
     connector = scheduler.connector
-    connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata(endpoint="10.0.0.5:47001")})
+    connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata(endpoint="198.18.0.5:47001")})
     req = request(hasher, PROMPT[:300], dict(ASK_PREFILL), max_tokens=1)
     scheduler.add_request(req)
     step(scheduler)
@@ -214,7 +214,7 @@ def test_producer_leases_what_it_computed(tmp_path):
     keep, params = connector.request_finished(req, blocks)
     assert keep is True
     given = KVParams.from_dict(params)
-    assert given.remote_block_ids == tuple(blocks) and given.remote_endpoints == ("10.0.0.5:47001",)
+    assert given.remote_block_ids == tuple(blocks) and given.remote_endpoints == ("198.18.0.5:47001",)
     assert given.remote_num_tokens == 300 and given.remote_request_id == req.request_id
     (held,) = connector.build_connector_meta(None).new_leases
     assert held.block_ids == tuple(blocks) and abs(held.expiry_unix - given.remote_lease_expiry) < 1e-6

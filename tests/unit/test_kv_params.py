@@ -10,7 +10,7 @@ from pdcluster.kv_transfer.params import KVParams
 LEASE = KVParams(
     remote_engine_id="c-prefill-0",
     remote_request_id="cmpl-1-0",
-    remote_endpoints=("10.0.0.1:47000",),
+    remote_endpoints=("198.18.0.1:47000",),
     remote_block_ids=(4, 9, 2),
     remote_num_tokens=300,
     remote_lease_expiry=1764567890.5,
