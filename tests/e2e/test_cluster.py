@@ -16,9 +16,8 @@ import openai
 import psutil
 import pytest
 
-from pdcluster.engine.spec import EngineSpec
 from tests.support.cluster import TEST_DTYPE, cli, cluster_up, leftover_processes, write_config
-from tests.support.engines import MODEL, run_engine
+from tests.support.engines import run_engine, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import heldout_prompts, token_prompt
 
@@ -48,17 +47,7 @@ def greedy(http: httpx.Client, prompt, headers: dict | None = None) -> Greedy:
 def reference(tmp_path_factory):
     """Greedy outputs of one aggregated engine with the cluster's model, dtype and MTP settings."""
     tmp = tmp_path_factory.mktemp("reference")
-    spec = EngineSpec(
-        role="aggregated",
-        engine_id="reference",
-        model=str(MODEL),
-        served_model_name=NAME,
-        dtype=TEST_DTYPE,
-        max_model_len=1024,
-        engine_args={"enforce_eager": True},
-        speculative={"method": "mtp", "num_speculative_tokens": 1},
-        kv_cache_gib=1,
-    )
+    spec = tiny_engine("reference", dtype=TEST_DTYPE, speculative={"method": "mtp", "num_speculative_tokens": 1})
     with run_engine(spec, tmp) as engine:
         client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
         completions = [

@@ -16,9 +16,8 @@ import time
 import httpx
 import pytest
 
-from pdcluster.engine.spec import EngineSpec
 from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
-from tests.support.engines import MODEL, run_engine
+from tests.support.engines import run_engine, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import token_prompt
 
@@ -47,17 +46,7 @@ def wait_for(predicate, timeout_s, what):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    spec = EngineSpec(
-        role="aggregated",
-        engine_id="faults-reference",
-        model=str(MODEL),
-        served_model_name=NAME,
-        dtype=TEST_DTYPE,
-        max_model_len=1024,
-        engine_args={"enforce_eager": True},
-        kv_cache_gib=1,
-        speculative={"method": "mtp", "num_speculative_tokens": 1},
-    )
+    spec = tiny_engine("faults-reference", dtype=TEST_DTYPE, speculative={"method": "mtp", "num_speculative_tokens": 1})
     with run_engine(spec, tmp_path_factory.mktemp("faults-ref")) as engine, engine.client() as http:
         return [greedy(http, p) for p in PROMPTS]
 

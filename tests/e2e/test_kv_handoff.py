@@ -19,14 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdcluster.engine.spec import EngineSpec
-from tests.support.engines import MODEL, kv_extra, run_engines
+from tests.support.engines import MAX_MODEL_LEN, run_engines, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, compare, identity_fields
 from tests.support.prompts import token_prompt
 
 pytestmark = pytest.mark.e2e
 
-MAX_MODEL_LEN = 1024
 BLOCK = 128  # vLLM's CPU default block size
 LEASE_S = 10
 NAME = "tiny"
@@ -34,17 +32,14 @@ DTYPE = "float32"
 
 
 def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, single_process=True, **engine_args):
-    return EngineSpec(
-        role=role,
-        engine_id=engine_id,
-        model=str(MODEL),
-        served_model_name=NAME,
+    return tiny_engine(
+        engine_id,
+        role,
         dtype=DTYPE,
-        max_model_len=MAX_MODEL_LEN,
-        engine_args={"enforce_eager": True, "max_num_seqs": 16, **engine_args},
-        kv_extra=None if role == "aggregated" else kv_extra(secret_file, failure_policy=policy, **(kv or {})),
+        secret_file=secret_file,
+        kv={"failure_policy": policy, **(kv or {})},
+        engine_args={"max_num_seqs": 16, **engine_args},
         cpu_threads_bind=bind,
-        kv_cache_gib=1,
         single_process=single_process,
     )
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.engine.spec import EngineSpec
-from tests.support.engines import MODEL, kv_extra, run_engines
+from tests.support.engines import run_engines, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import heldout_prompts
 
@@ -25,18 +24,14 @@ MAX_TOKENS = 48
 
 
 def spec(engine_id, role, k, bind, secret_file):
-    return EngineSpec(
-        role=role,
-        engine_id=engine_id,
-        model=str(MODEL),
-        served_model_name=NAME,
+    return tiny_engine(
+        engine_id,
+        role,
         dtype=DTYPE,
-        max_model_len=1024,
-        engine_args={"enforce_eager": True, "max_num_seqs": 8},
+        secret_file=secret_file,
+        engine_args={"max_num_seqs": 8},
         speculative={"method": "mtp", "num_speculative_tokens": k} if k else None,
-        kv_extra=None if role == "aggregated" else kv_extra(secret_file),
         cpu_threads_bind=bind,
-        kv_cache_gib=1,
     )
 
 

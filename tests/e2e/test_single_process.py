@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from pdcluster.engine.spec import EngineSpec
-from tests.support.engines import MODEL, run_engines
+from tests.support.engines import run_engines, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import token_prompt
 
@@ -19,17 +19,8 @@ DTYPE = "float32"
 
 
 def spec(engine_id: str, bind: str, single_process: bool) -> EngineSpec:
-    return EngineSpec(
-        role="aggregated",
-        engine_id=engine_id,
-        model=str(MODEL),
-        served_model_name=NAME,
-        dtype=DTYPE,
-        max_model_len=1024,
-        engine_args={"enforce_eager": True, "max_num_seqs": 8},
-        cpu_threads_bind=bind,
-        kv_cache_gib=1,
-        single_process=single_process,
+    return tiny_engine(
+        engine_id, dtype=DTYPE, engine_args={"max_num_seqs": 8}, cpu_threads_bind=bind, single_process=single_process
     )
 
 

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from pdcluster.engine.spec import EngineSpec
-from tests.support.engines import MODEL, run_engine
+from tests.support.engines import MODEL, run_engine, tiny_engine
 from tests.support.prompts import heldout_prompts
 
 pytestmark = pytest.mark.e2e
@@ -30,16 +29,7 @@ def test_shipped_model_files():
 
 
 def test_loads_generates_and_mtp_is_accepted(tmp_path):
-    spec = EngineSpec(
-        role="aggregated",
-        engine_id="tiny-mtp",
-        model=str(MODEL),
-        served_model_name="tiny",
-        max_model_len=1024,
-        engine_args={"enforce_eager": True},
-        speculative={"method": "mtp", "num_speculative_tokens": 1},
-        kv_cache_gib=1,
-    )
+    spec = tiny_engine("tiny-mtp", speculative={"method": "mtp", "num_speculative_tokens": 1})
     with run_engine(spec, tmp_path) as engine, engine.client() as client:
         body = {"model": "tiny", "prompt": list(heldout_prompts()), "max_tokens": 64, "temperature": 0}
         response = client.post("/v1/completions", json=body)

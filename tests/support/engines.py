@@ -26,6 +26,7 @@ from pdcluster.kv_transfer.settings import KVTransferSettings
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "pdcluster-tiny-code"
 STARTUP_TIMEOUT_S = 240
+MAX_MODEL_LEN = 1024  # the context of every test engine (tiny_engine)
 
 
 @dataclass
@@ -116,6 +117,33 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def tiny_engine(
+    engine_id: str,
+    role: str = "aggregated",
+    *,
+    dtype: str = "auto",
+    secret_file: Path | None = None,
+    kv: dict | None = None,
+    engine_args: dict | None = None,
+    **fields,
+) -> EngineSpec:
+    """An engine of the shipped tiny model as the tests run it: served as "tiny", 1024 tokens of
+    context, eager, 1 GiB of KV cache; a prefill or decode engine gets `kv_extra(secret_file,
+    **kv)`. Other EngineSpec fields (speculative, cpu_threads_bind, single_process, ...) as given."""
+    return EngineSpec(
+        role=role,
+        engine_id=engine_id,
+        model=str(MODEL),
+        served_model_name="tiny",
+        dtype=dtype,
+        max_model_len=MAX_MODEL_LEN,
+        engine_args={"enforce_eager": True, **(engine_args or {})},
+        kv_extra=None if role == "aggregated" else kv_extra(secret_file, **(kv or {})),
+        kv_cache_gib=1,
+        **fields,
+    )
 
 
 def kv_extra(secret_file: Path, **overrides) -> dict:
