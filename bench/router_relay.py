@@ -91,7 +91,7 @@ from pdcluster.orchestrator.router import Router, RouterSettings
 async def main():
     mode = sys.argv[3]
     roles = ["aggregated"] if mode == "aggregated" else ["prefill", "decode"]
-    router = Router(RouterSettings(model_name="tiny", mode=mode))
+    router = Router(RouterSettings(model_name="tiny", mode=mode, engine_token="bench-engine-key"))
     router.update_replicas([{"replica_id": f"{role}-0", "role": role, "url": sys.argv[1],
                              "state": int(ReplicaState.READY), "node": "127.0.0.1", "stats": {}} for role in roles])
     await router.start("127.0.0.1", int(sys.argv[2]))

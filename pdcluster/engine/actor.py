@@ -49,10 +49,13 @@ def node_ip() -> str:
 class EngineActor:
     role = "aggregated"
 
-    def __init__(self, spec: EngineSpec, secret: str | None = None):
+    def __init__(self, spec: EngineSpec, secret: str):
         setup_logging()
         if spec.role != self.role:
             raise ValueError(f"{type(self).__name__} runs {self.role} engines, not {spec.role}")
+        if not secret:
+            raise ValueError("an engine needs the cluster secret (its HTTP key and KV keys derive from it)")
+        self._secret = secret
         self._secret_path: str | None = None
         if spec.kv_extra is not None:
             spec.kv_extra = self._node_kv_settings(dict(spec.kv_extra), secret)
@@ -64,15 +67,14 @@ class EngineActor:
         self.error: str | None = None
         self._start_lock = asyncio.Lock()
 
-    def _node_kv_settings(self, kv: dict[str, Any], secret: str | None) -> dict[str, Any]:
+    def _node_kv_settings(self, kv: dict[str, Any], secret: str) -> dict[str, Any]:
         """Node-local parts of the KV settings (KVTransferSettings fields): the secret file,
         the address peers dial."""
-        if secret is not None:
-            fd, path = tempfile.mkstemp(prefix="pdcluster-kv-", suffix=".secret")
-            with os.fdopen(fd, "w") as f:
-                f.write(secret)
-            os.chmod(path, 0o600)
-            self._secret_path = kv["secret_file"] = path
+        fd, path = tempfile.mkstemp(prefix="pdcluster-kv-", suffix=".secret")
+        with os.fdopen(fd, "w") as f:
+            f.write(secret)
+        os.chmod(path, 0o600)
+        self._secret_path = kv["secret_file"] = path
         if kv.get("bind_host") in ("0.0.0.0", "::") and not kv.get("advertise_host"):
             kv["advertise_host"] = node_ip()
         return kv
@@ -86,7 +88,7 @@ class EngineActor:
                 return self.info()
             self.stage = "starting engine"
             try:
-                self.host = EngineHost(self.spec)
+                self.host = EngineHost(self.spec, self._secret)
                 await self.host.start()
             except Exception as exc:
                 self.stage = "failed"

@@ -4,8 +4,9 @@ Shared by every engine we run: the prefill and decode Ray actors, aggregated rep
 standalone launcher (`python -m pdcluster.engine.serve`). The router talks to a host over HTTP
 exactly as vLLM's disaggregation proxies talk to `vllm serve`: the prefill call carries
 `kv_transfer_params={"do_remote_decode": true}` and `max_tokens=1`, the decode call carries the
-params the prefill returned. Lifecycle: `start()` (engine up, socket listening, URL known) ->
-serve -> `stop()`.
+params the prefill returned. Every request must carry the engine key (http_auth.py), derived from
+the cluster secret. Lifecycle: `start()` (engine up, socket listening, URL known) -> serve ->
+`stop()`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 from pdcluster import compat
+from pdcluster.engine.http_auth import RequireEngineKey
 from pdcluster.engine.kv_errors import KVErrorAnswers
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.engine.stats import EngineStatsRecorder
@@ -45,8 +47,13 @@ def frontend_args(spec: EngineSpec, host: str, port: int):
 
 
 class EngineHost:
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, secret: str):
+        """`secret`: the cluster secret; the engine's HTTP app takes only requests that carry the
+        engine key derived from it (never logged, never part of the spec)."""
+        from pdcluster.keys import engine_http_token
+
         self.spec = spec
+        self._http_token = engine_http_token(secret)
         self.engine = None
         self.stats = EngineStatsRecorder()
         self.url: str | None = None
@@ -120,8 +127,8 @@ class EngineHost:
 
         app.add_api_route("/pdcluster/info", pdcluster_info, methods=["GET"])
         if self._failures is not None:
-            return KVErrorAnswers(app, self._failures, self.spec.engine_id)
-        return app
+            app = KVErrorAnswers(app, self._failures, self.spec.engine_id)
+        return RequireEngineKey(app, self._http_token)
 
     def _note_async_scheduling(self, vllm_config) -> None:
         wanted = self.spec.async_scheduling

@@ -5,7 +5,9 @@ who wants a single engine of a given role. Prints one JSON line on stdout when r
     {"event": "ready", "url": "http://127.0.0.1:PORT", "engine_id": ...}
 and serves until SIGINT/SIGTERM. Logs go to stderr.
 
-Usage: python -m pdcluster.engine.serve --spec-json '{...EngineSpec...}'
+Usage: python -m pdcluster.engine.serve --spec-json '{...EngineSpec...}' --secret-file PATH
+(the cluster secret: the engine's HTTP app takes only requests carrying the key derived from it,
+`Authorization: Bearer <pdcluster.keys.engine_http_token(secret)>`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.logs import setup_logging
@@ -24,10 +27,10 @@ from pdcluster.logs import setup_logging
 logger = logging.getLogger("pdcluster.engine.serve")
 
 
-async def run(spec: EngineSpec) -> None:
+async def run(spec: EngineSpec, secret: str) -> None:
     from pdcluster.engine.host import EngineHost
 
-    host = EngineHost(spec)
+    host = EngineHost(spec, secret)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -44,12 +47,19 @@ async def run(spec: EngineSpec) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec-json", required=True, help="EngineSpec as JSON")
+    parser.add_argument("--secret-file", required=True, help="file holding the cluster secret")
     args = parser.parse_args(argv)
     setup_logging()
     spec = EngineSpec.from_json(args.spec_json)
+    try:
+        secret = Path(args.secret_file).read_text().strip()
+    except OSError as exc:
+        parser.exit(2, f"pdcluster.engine.serve: --secret-file: {exc}\n")
+    if not secret:
+        parser.exit(2, f"pdcluster.engine.serve: --secret-file: {args.secret_file} is empty\n")
     # This process exists only to run this engine: its environment is the engine's.
     os.environ.update(spec.env())
-    asyncio.run(run(spec))
+    asyncio.run(run(spec, secret))
     return 0
 
 

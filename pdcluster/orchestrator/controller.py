@@ -21,6 +21,7 @@ from typing import Any
 from pdcluster.config import ClusterConfig, RoleName
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.errors import ConfigError
+from pdcluster.keys import engine_http_token
 from pdcluster.logs import setup_logging
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import RouterActor, RouterSettings
@@ -160,6 +161,7 @@ class Controller:
             tokenizer_path=cfg.model.tokenizer or cfg.model.path,
             first_token_from_prefill=cfg.router.first_token_from_prefill,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
+            engine_token=engine_http_token(self._secret),
         )
         self.router = (
             ray.remote(RouterActor)

@@ -62,7 +62,7 @@ def greedy(engine, prompt, max_tokens, **extra) -> Greedy:
         **identity_fields(),
         **extra,
     }
-    response = httpx.post(engine.url + "/v1/completions", json=body, timeout=120)
+    response = httpx.post(engine.url + "/v1/completions", json=body, headers=engine.headers, timeout=120)
     assert response.status_code == 200, response.text
     if "kv_transfer_params" in extra and extra["kv_transfer_params"].get("do_remote_decode"):
         return response.json()["kv_transfer_params"]
@@ -113,4 +113,5 @@ def test_bf16_concurrent_batch_and_prefix_hit_match_up_to_near_ties(engines):
 
 
 def decode_stats(engines) -> dict:
-    return httpx.get(engines["decode"].url + "/pdcluster/info", timeout=30).json()["stats"]
+    decode = engines["decode"]
+    return httpx.get(decode.url + "/pdcluster/info", headers=decode.headers, timeout=30).json()["stats"]

@@ -16,6 +16,7 @@ import openai
 import psutil
 import pytest
 
+from pdcluster.keys import engine_http_token
 from tests.support.cluster import TEST_DTYPE, cli, cluster_up, leftover_processes, write_config
 from tests.support.engines import run_engine, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, identity_fields
@@ -49,7 +50,8 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     spec = tiny_engine("reference", dtype=TEST_DTYPE, speculative={"method": "mtp", "num_speculative_tokens": 1})
     with run_engine(spec, tmp) as engine:
-        client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
+        # The OpenAI client sends its api_key as the bearer: the engine key.
+        client = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine_http_token(engine.secret))
         completions = [
             client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
             for p in PROMPTS
@@ -64,7 +66,7 @@ def reference(tmp_path_factory):
             client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
             for p in PREFIXED
         ]
-        with httpx.Client(base_url=engine.url, timeout=120) as http:
+        with engine.client() as http:
             logprobs = {
                 "completions": [greedy(http, p) for p in PROMPTS],
                 "prefixed": [greedy(http, p) for p in PREFIXED],

@@ -1,7 +1,9 @@
 """Start real vLLM engines (pdcluster.engine.serve) in separate processes for tests.
 
 Readiness is the engine's own "ready" line on stdout (never a sleep); a process that exits or
-stays silent past the deadline fails the test with its stderr tail.
+stays silent past the deadline fails the test with its stderr tail. Engines take only requests
+carrying the engine key derived from the secret they were started with (`RunningEngine.headers`,
+and `client()` sends them).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from pathlib import Path
 import httpx
 
 from pdcluster.engine.spec import EngineSpec
+from pdcluster.keys import engine_http_token
 from pdcluster.kv_transfer.settings import KVTransferSettings
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "pdcluster-tiny-code"
 STARTUP_TIMEOUT_S = 240
 MAX_MODEL_LEN = 1024  # the context of every test engine (tiny_engine)
+TEST_SECRET = "engines-test-secret-5b1e"  # of engines that are given no secret file
 
 
 @dataclass
@@ -35,9 +39,15 @@ class RunningEngine:
     url: str
     process: subprocess.Popen
     log_path: Path
+    secret: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the router sends: the engine key (pdcluster/engine/http_auth.py)."""
+        return {"Authorization": f"Bearer {engine_http_token(self.secret)}"}
 
     def client(self, timeout: float = 120) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=self.headers)
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -69,6 +79,17 @@ def _wait_ready(proc: subprocess.Popen, log_path: Path, deadline: float) -> str:
                 return event["url"]
 
 
+def secret_file_of(spec: EngineSpec, log_dir: Path) -> Path:
+    """The cluster secret an engine starts with: its KV settings' file, else a test secret."""
+    if spec.kv_extra and spec.kv_extra.get("secret_file"):
+        return Path(spec.kv_extra["secret_file"])
+    path = log_dir / "engine.secret"
+    if not path.exists():
+        path.write_text(TEST_SECRET)
+        path.chmod(0o600)
+    return path
+
+
 def _launch(spec: EngineSpec, log_dir: Path) -> tuple[subprocess.Popen, Path]:
     log_path = log_dir / f"{spec.engine_id}.log"
     env = dict(os.environ)
@@ -76,7 +97,15 @@ def _launch(spec: EngineSpec, log_dir: Path) -> tuple[subprocess.Popen, Path]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdcluster.engine.serve", "--spec-json", spec.to_json()],
+            [
+                sys.executable,
+                "-m",
+                "pdcluster.engine.serve",
+                "--spec-json",
+                spec.to_json(),
+                "--secret-file",
+                str(secret_file_of(spec, log_dir)),
+            ],
             stdout=subprocess.PIPE,
             stderr=log,
             env=env,
@@ -95,7 +124,8 @@ def run_engines(specs: list[EngineSpec], log_dir: Path) -> Iterator[dict[str, Ru
         running = {}
         for spec, proc, log_path in launched:
             url = _wait_ready(proc, log_path, deadline)
-            running[spec.engine_id] = RunningEngine(spec, url, proc, log_path)
+            secret = secret_file_of(spec, log_dir).read_text().strip()
+            running[spec.engine_id] = RunningEngine(spec, url, proc, log_path, secret)
         yield running
     finally:
         for _, proc, _ in launched:
@@ -152,3 +182,19 @@ def kv_extra(secret_file: Path, **overrides) -> dict:
     fields = {"backend": "grpc", "port_range": (0, 0), "lease_seconds": 30, "pull_timeout_seconds": 20}
     fields.update(overrides)
     return KVTransferSettings(**fields).connector_config(str(secret_file))
+
+
+ENGINE_PATHS = (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/pdcluster/info"), ("GET", "/metrics"))
+
+
+def assert_engine_key_required(url: str, headers: dict[str, str]) -> None:
+    """Every path of an engine's HTTP app answers 401 (OpenAI-style) without the engine key or
+    with a wrong one, and serves the right one."""
+    right = headers["Authorization"]
+    for method, path in (*ENGINE_PATHS, ("GET", "/health")):
+        for presented in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": right + "0"}):
+            response = httpx.request(method, url + path, headers=presented, json={"model": "tiny"}, timeout=30)
+            assert response.status_code == 401, (method, path, presented, response.text)
+            assert response.json()["error"]["type"] == "authentication_error"
+    for method, path in ENGINE_PATHS[1:]:
+        assert httpx.request(method, url + path, headers=headers, timeout=30).status_code == 200, path

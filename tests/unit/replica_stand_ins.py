@@ -42,12 +42,18 @@ def row(replica_id: str, role: str, url: str | None = None, state: ReplicaState 
     }
 
 
+# The engine key the router is given in these tests; a stand-in answers 401 to any call without
+# it, as a real engine's app does (pdcluster/engine/http_auth.py).
+ENGINE_TOKEN = "stand-in-engine-key"
+
+
 @dataclass
 class Call:
     method: str
     path: str
     body: dict | None
     request_id: str | None  # the X-Request-Id header
+    authorization: str | None = None
 
 
 class Writer:
@@ -109,13 +115,18 @@ class StandIn:
                 length = re.search(rb"(?i)content-length: *(\d+)", head)
                 raw = await reader.readexactly(int(length.group(1))) if length else b""
                 request_id = re.search(rb"(?i)x-request-id: *(\S+)", head)
+                authorization = re.search(rb"(?i)authorization: *([^\r]+)", head)
                 call = Call(
                     method.decode(),
                     target.decode(),
                     json.loads(raw) if raw else None,
                     request_id.group(1).decode() if request_id else None,
+                    authorization.group(1).decode() if authorization else None,
                 )
                 self.calls.append(call)
+                if call.authorization != f"Bearer {ENGINE_TOKEN}":
+                    await Writer(writer).json({"error": {"message": "no engine key", "code": 401}}, 401)
+                    continue
                 await self.answer(call, Writer(writer))
         except (asyncio.IncompleteReadError, ConnectionError):
             return  # the router closed its connection: nothing more to answer

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from pdcluster.orchestrator.router import Router, RouterSettings
-from tests.unit.replica_stand_ins import row
+from tests.unit.replica_stand_ins import ENGINE_TOKEN, row
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "pdcluster-tiny-code"
 
@@ -28,7 +28,7 @@ async def _call(router: Router, path: str, body: dict | None = None) -> httpx.Re
 
 
 def test_every_prefill_unreachable_gives_503_after_trying_each_once():
-    router = Router(RouterSettings(model_name="tiny", phase_attempts=3))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, phase_attempts=3))
     router.update_replicas([row("prefill-0", "prefill"), row("prefill-1", "prefill"), row("decode-0", "decode")])
     response = asyncio.run(_call(router, "/v1/completions", {"model": "tiny", "prompt": "def f():", "max_tokens": 4}))
     assert response.status_code == 503, response.text
@@ -41,7 +41,7 @@ def test_every_prefill_unreachable_gives_503_after_trying_each_once():
 
 
 def test_aggregated_replicas_unreachable_gives_503():
-    router = Router(RouterSettings(model_name="tiny", mode="aggregated", phase_attempts=2))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, mode="aggregated", phase_attempts=2))
     router.update_replicas([row("aggregated-0", "aggregated")])
     response = asyncio.run(
         _call(
@@ -66,7 +66,7 @@ def test_prompt_tokens_counted_by_the_tokenizer_loaded_in_the_background():
     assert len(long) > INLINE_TOKENIZE_CHARS >= len(short)
 
     async def scenario():
-        router = Router(RouterSettings(model_name="tiny", tokenizer_path=model))
+        router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, tokenizer_path=model))
         await router.start("127.0.0.1", 0)  # returns without waiting for the tokenizer
         try:
             await router.tokens.loading
@@ -83,7 +83,9 @@ def test_prompt_tokens_counted_by_the_tokenizer_loaded_in_the_background():
 
 def test_a_tokenizer_that_does_not_load_leaves_the_router_estimating(tmp_path, caplog):
     async def scenario():
-        router = Router(RouterSettings(model_name="tiny", tokenizer_path=str(tmp_path / "missing")))
+        router = Router(
+            RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, tokenizer_path=str(tmp_path / "missing"))
+        )
         await router.start("127.0.0.1", 0)
         try:
             await router.tokens.loading
@@ -153,7 +155,7 @@ def test_relay_passes_each_event_on_as_soon_as_it_is_complete():
         has_second = asyncio.Event()
         replica = await asyncio.start_server(_SSEReplica(has_second).serve, "127.0.0.1", 0)
         port = replica.sockets[0].getsockname()[1]
-        router = Router(RouterSettings(model_name="tiny", mode="aggregated"))
+        router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, mode="aggregated"))
         router.update_replicas([{**row("aggregated-0", "aggregated"), "url": f"http://127.0.0.1:{port}"}])
         url = await router.start("127.0.0.1", 0)
         lines = []

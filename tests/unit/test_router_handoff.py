@@ -14,6 +14,7 @@ import pytest
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router, RouterSettings
 from tests.unit.replica_stand_ins import (
+    ENGINE_TOKEN,
     LOOPS,
     StandIn,
     decode_answer,
@@ -71,7 +72,7 @@ def data(lines: list[str]) -> list[dict]:
 def test_a_decode_that_hangs_up_unanswered_gets_the_request_prefilled_again_for_another(serve, stream):
     """Reached, then gone before answering: it may have pulled (used up) the lease, so the request
     is prefilled again for a fresh one and sent to another decode replica."""
-    router = Router(RouterSettings(model_name="tiny", first_token_from_prefill=False))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
     prefill, gone, live = StandIn(prefill_answer()), StandIn(hang_up), StandIn(decode_answer)
     stand_ins = {"prefill-0": prefill, "decode-gone": gone, "decode-live": live}
     response, lines = serve(router, stand_ins, {**COMPLETION, "stream": stream}, [])
@@ -95,7 +96,9 @@ def test_a_decode_never_reached_gets_its_lease_sent_to_another_without_a_second_
 ):
     """Nothing was sent, so the lease on the producer is intact: the same kv_transfer_params go to
     another decode replica (classic path, and a continuation after the prefill's first token)."""
-    router = Router(RouterSettings(model_name="tiny", first_token_from_prefill=first_token_from_prefill))
+    router = Router(
+        RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=first_token_from_prefill)
+    )
     prefill, live = StandIn(prefill_answer()), StandIn(decode_answer)
     unreachable = row("decode-dead", "decode")  # a closed port: refused
     response, lines = serve(
@@ -112,7 +115,7 @@ def test_a_decode_never_reached_gets_its_lease_sent_to_another_without_a_second_
 
 
 def test_a_prefill_that_hangs_up_is_replaced_by_another_prefill(serve):
-    router = Router(RouterSettings(model_name="tiny"))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
     gone, prefill, decode = StandIn(hang_up), StandIn(prefill_answer()), StandIn(decode_answer)
     response, _ = serve(router, {"prefill-gone": gone, "prefill-0": prefill, "decode-0": decode}, COMPLETION, [])
     assert response.status_code == 200 and response.headers["x-pdcluster-prefill"] == "prefill-0"
@@ -123,7 +126,7 @@ def test_a_prefill_that_hangs_up_is_replaced_by_another_prefill(serve):
 def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an_error(serve):
     """The client already has the prefill's token: a decode replica reached that then fails ends
     the stream with an error event, and nothing is prefilled again."""
-    router = Router(RouterSettings(model_name="tiny"))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
     prefill, gone, live = StandIn(prefill_answer()), StandIn(hang_up), StandIn(decode_answer)
     stand_ins = {"prefill-0": prefill, "decode-gone": gone, "decode-live": live}
     response, lines = serve(router, stand_ins, {**COMPLETION, "stream": True}, [])
@@ -139,7 +142,7 @@ def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an
 
 
 def exhausted_error(serve, role: str, replicas: int, mode: str = "disaggregated") -> tuple[dict, Router]:
-    router = Router(RouterSettings(model_name="tiny", mode=mode, phase_attempts=3))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, mode=mode, phase_attempts=3))
     stand_ins = {}
     rows = [row(f"{role}-{i}", role) for i in range(replicas)]  # all unreachable
     if role == "decode":
@@ -168,7 +171,7 @@ def test_exhaustion_gets_the_same_503_whatever_the_pool_size(serve, role, mode):
 
 def test_no_ready_decode_fails_fast_without_a_prefill(serve):
     """Decode is chosen before the prefill: no KV is computed (and leased) that nobody would pull."""
-    router = Router(RouterSettings(model_name="tiny"))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
     prefill = StandIn(prefill_answer())
     draining = row("decode-0", "decode", state=ReplicaState.DRAINING)
     response, _ = serve(router, {"prefill-0": prefill}, COMPLETION, [draining])
@@ -183,7 +186,7 @@ def test_no_ready_decode_fails_fast_without_a_prefill(serve):
 def test_a_continuation_reads_as_the_clients_chat_and_its_tokens_are_timed(serve):
     """Each event of the decode replica's stream is read once for what it is (token, usage,
     [DONE]) and rewritten as the client's own chat stream; every token is timed."""
-    router = Router(RouterSettings(model_name="tiny"))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
     prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     response, lines = serve(router, {"prefill-0": prefill, "decode-0": decode}, chat, [], path="/v1/chat/completions")
@@ -215,7 +218,7 @@ def test_a_kv_failure_in_the_decode_stream_reaches_the_client_as_what_it_is(serv
     async def failing_decode(call, out):
         await out.sse([f"data: {json.dumps({'error': failure})}", "data: [DONE]"])
 
-    router = Router(RouterSettings(model_name="tiny", first_token_from_prefill=False))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
     prefill, decode = StandIn(prefill_answer()), StandIn(failing_decode)
     _, lines = serve(router, {"prefill-0": prefill, "decode-0": decode}, {**COMPLETION, "stream": True}, [])
     [error] = data(lines)
@@ -235,7 +238,7 @@ def test_a_prefill_answer_without_a_usable_lease_is_an_upstream_error(serve):
         await out.json({"choices": [], "kv_transfer_params": {"remote_engine_id": "p"}})
 
     for answer, why in ((not_an_answer, "unusable answer"), (bad_lease, "lacks 'remote_endpoints'")):
-        router = Router(RouterSettings(model_name="tiny"))
+        router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
         decode = StandIn(decode_answer)
         response, _ = serve(router, {"prefill-0": StandIn(answer), "decode-0": decode}, COMPLETION, [])
         assert response.status_code == 502, response.text

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 class Router:
     def __init__(self, settings: RouterSettings):
+        if not settings.engine_token:
+            raise ValueError("a router needs the engine key (RouterSettings.engine_token) to reach replicas")
         self.settings = settings
         self.metrics = RouterMetrics(lambda: self.pool.rows)
         self.pool = ReplicaPool(settings.policy, self.metrics)
@@ -77,6 +79,8 @@ class Router:
 
         self.tokens.load_in_background()
         self.http = self.phases.http = httpx.AsyncClient(
+            # Every call to a replica carries the engine key its HTTP app requires (http_auth.py).
+            headers={"Authorization": f"Bearer {self.settings.engine_token}"},
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
             transport=AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256)),
         )

@@ -21,6 +21,9 @@ class RouterSettings:
     phase_attempts: int = 3  # replicas tried per role for one request (handoff.py)
     first_token_from_prefill: bool = True  # router.first_token_from_prefill (continuation.py)
     abandon_after_prefill_rate: float = 0.0  # fault injection (router.fault_injection)
+    # The key engines' HTTP apps require (keys.engine_http_token): the router presents it on every
+    # call to a replica. Never shown (repr) or logged; the router never holds the KV secret itself.
+    engine_token: str = field(default="", repr=False)
 
     @property
     def disaggregated(self) -> bool:
