@@ -34,10 +34,15 @@ class HandshakeError(KVTransferError):
 
 
 class AuthenticationError(KVTransferError):
-    """The peer did not present the cluster's shared secret."""
+    """The peer did not prove it holds the cluster secret (or its session is unknown)."""
 
     http_status = 401
     error_type = "authentication_error"
+
+
+class UntrustedParamsError(KVTransferError):
+    """kv_transfer_params that no producer of this cluster signed (forged, altered or stale
+    keys): the consumer dials nothing for them."""
 
 
 class LeaseNotFoundError(KVTransferError):

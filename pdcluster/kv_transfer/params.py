@@ -7,13 +7,22 @@ follow vLLM's NIXL conventions where one exists. Only what is specific to the re
 what is static per producer engine (node identity, cache device, offered backends, layout) comes
 from the producer's KV server in the handshake (transports/base.py, `ProducerInfo`).
 
+A producer signs the params it hands out (`signed`: HMAC-SHA256 under a key derived from the
+cluster secret, over every field); a consumer dials nothing for params that do not verify, so a
+request that reaches an engine with params of its own cannot make decode dial an endpoint the
+cluster did not vouch for.
+
 Free of vLLM imports so that the router (which never loads vLLM) uses the same type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hmac
+import json
+from dataclasses import dataclass, replace
 from typing import Any
+
+from pdcluster.keys import mac
 
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
@@ -36,6 +45,27 @@ class KVParams:
     remote_block_ids: tuple[int, ...]  # the leased blocks, in token order
     remote_num_tokens: int  # prompt tokens the producer computed (fewer with MTP back-off)
     remote_lease_expiry: float  # unix time after which the producer frees the blocks
+    signature: str = ""  # the producer's: signed(key), hex
+
+    def _signed_text(self) -> str:
+        fields = [
+            self.remote_engine_id,
+            self.remote_request_id,
+            list(self.remote_endpoints),
+            list(self.remote_block_ids),
+            self.remote_num_tokens,
+            repr(float(self.remote_lease_expiry)),  # repr round-trips a float exactly (and JSON too)
+        ]
+        return json.dumps(fields, separators=(",", ":"))
+
+    def signed(self, key: bytes) -> KVParams:
+        """These params with the producer's signature (key: keys.derive_key(secret, KV_PARAMS))."""
+        return replace(self, signature=mac(key, "pdcluster-kv-params", self._signed_text()).hex())
+
+    def verify(self, key: bytes) -> bool:
+        """True when a producer of this cluster signed exactly these params."""
+        expected = mac(key, "pdcluster-kv-params", self._signed_text()).hex()
+        return bool(self.signature) and hmac.compare_digest(self.signature, expected)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +77,7 @@ class KVParams:
             "remote_block_ids": list(self.remote_block_ids),
             "remote_num_tokens": self.remote_num_tokens,
             "remote_lease_expiry": self.remote_lease_expiry,
+            "remote_signature": self.signature,
         }
 
     @classmethod
@@ -68,6 +99,7 @@ class KVParams:
                 remote_block_ids=tuple(_int(b) for b in blocks),
                 remote_num_tokens=_int(params["remote_num_tokens"]),
                 remote_lease_expiry=float(params["remote_lease_expiry"]),
+                signature=str(params.get("remote_signature") or ""),
             )
         except KeyError as exc:
             raise ValueError(f"kv_transfer_params lacks {exc.args[0]!r}") from None

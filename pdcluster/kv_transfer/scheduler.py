@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pdcluster import compat
+from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
@@ -66,6 +67,8 @@ class ConnectorScheduler:
         self.prefill_backoff = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
         self.endpoints: list[str | None] = [None] * self.tp_size
         self._meta = PDConnectorMetadata()
+        # Producer: the params it hands out are signed (params.py); decode verifies before dialing.
+        self._params_key = derive_key(settings.secret_value(), KV_PARAMS) if is_producer else b""
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -190,5 +193,5 @@ class ConnectorScheduler:
             remote_block_ids=tuple(block_ids),
             remote_num_tokens=request.num_computed_tokens,
             remote_lease_expiry=expiry,
-        )
+        ).signed(self._params_key)
         return True, lease.to_dict()

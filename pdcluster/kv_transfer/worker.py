@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from pdcluster.errors import KVTransferError
+from pdcluster.errors import KVTransferError, UntrustedParamsError
+from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer.failures import report_failure
 from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import PagedKVCache
@@ -78,6 +79,7 @@ class ConnectorWorker:
         is_consumer: bool,
     ):
         self.settings = settings
+        self._params_key = derive_key(settings.secret_value(), KV_PARAMS)
         self.faults = FaultInjector(settings.fault_injection)
         self.engine_id = engine_id
         self.model = model
@@ -243,7 +245,13 @@ class ConnectorWorker:
     # -- consumer internals ------------------------------------------------------------------
 
     def _endpoint(self, lease: KVParams) -> str:
-        """This rank's producer endpoint for a lease (raises when the TP sizes differ)."""
+        """This rank's producer endpoint for a lease: only for params a producer of this cluster
+        signed (nothing is dialed otherwise), and when the TP sizes agree."""
+        if not lease.verify(self._params_key):
+            raise UntrustedParamsError(
+                f"kv_transfer_params naming {lease.remote_engine_id} at {list(lease.remote_endpoints)} "
+                "are not signed by a prefill of this cluster: nothing dialed"
+            )
         if len(lease.remote_endpoints) != self.tp_size:
             raise KVTransferError(
                 f"producer {lease.remote_engine_id} has {len(lease.remote_endpoints)} "
@@ -350,7 +358,8 @@ class ConnectorWorker:
             if self.settings.failure_policy == "fail":
                 # Before vLLM hears of it: the engine's error for this request then says why.
                 report_failure(spec.remote.remote_request_id, spec.remote.remote_engine_id, str(exc))
-            self._release(spec.remote, False)
+            if not isinstance(exc, UntrustedParamsError):  # never dial what the cluster did not vouch for
+                self._release(spec.remote, False)
             return PullResult(
                 spec.request_id,
                 False,
@@ -369,6 +378,11 @@ class ConnectorWorker:
     def _release(self, lease: KVParams, transferred: bool) -> None:
         """Tell the producer it may free the lease's blocks (every producer's gRPC control
         server answers Release, whatever backend moved the bytes)."""
+        if not lease.verify(self._params_key):
+            logger.warning(
+                "not releasing %s: its kv_transfer_params are not signed by this cluster", lease.remote_request_id
+            )
+            return
         try:
             self._connection(self._endpoint(lease), "grpc").release(
                 lease.remote_request_id,

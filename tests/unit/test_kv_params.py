@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.params import KVParams
 
@@ -32,7 +35,36 @@ def test_round_trip_and_flags():
         "remote_block_ids",
         "remote_num_tokens",
         "remote_lease_expiry",
+        "remote_signature",
     }
+
+
+KEY = derive_key("params-test-secret", KV_PARAMS)
+
+
+def test_signed_params_verify_after_the_json_round_trip_the_router_makes():
+    signed = LEASE.signed(KEY)
+    assert not LEASE.verify(KEY)  # unsigned
+    through_router = KVParams.from_dict(json.loads(json.dumps(signed.to_dict())))
+    assert through_router.verify(KEY)
+    assert not through_router.verify(derive_key("another-cluster", KV_PARAMS))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"remote_engine_id": "c-prefill-1"},
+        {"remote_request_id": "cmpl-2-0"},
+        {"remote_endpoints": ["198.18.0.66:47000"]},
+        {"remote_block_ids": [4, 9, 3]},
+        {"remote_num_tokens": 301},
+        {"remote_lease_expiry": 1764567890.75},
+        {"remote_signature": "00" * 32},
+    ],
+)
+def test_any_altered_field_breaks_the_signature(change):
+    params = {**LEASE.signed(KEY).to_dict(), **change}
+    assert not KVParams.from_dict(params).verify(KEY)
 
 
 @pytest.mark.parametrize(
