@@ -312,13 +312,17 @@ def load_config(path: str | Path) -> ClusterConfig:
         named = getattr(section, field)
         if named and not Path(named).is_absolute():
             setattr(section, field, str(base / named))
+    if config.kv_transfer.tls is not None:
+        config.kv_transfer.tls = config.kv_transfer.tls.resolved(base)
     check_model(config, str(path))
     return config
 
 
 def read_credentials(config: ClusterConfig) -> tuple[str | None, list[str]]:
     """The KV secret (None: none configured) and the router's API keys, read from the files the
-    config names; a missing or empty file is a ConfigError naming its field."""
+    config names; a missing or empty file (TLS files included) is a ConfigError naming its field."""
+    if config.kv_transfer.tls is not None:
+        config.kv_transfer.tls.read()  # every engine reads them on its node; here they must exist too
     return config.kv_transfer.resolve_secret(config.base_dir), config.router.read_api_keys()
 
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from pdcluster.errors import HandshakeError
 
-PROTOCOL_VERSION = 1
-SECRET_METADATA_KEY = "x-pdcluster-kv-secret"
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)

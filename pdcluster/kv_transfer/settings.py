@@ -42,6 +42,40 @@ class FaultInjection(_Section):
     seed: int = Field(0, description="Seed of the fault dice.")
 
 
+class TLSSettings(_Section):
+    """Mutual TLS on every KV control channel (for networks you do not trust). The files must
+    exist at these paths on every node; relative paths resolve against the cluster YAML."""
+
+    cert_file: str = Field(description="PEM certificate this engine presents (server and client).")
+    key_file: str = Field(description="PEM private key of cert_file.")
+    ca_file: str = Field(description="PEM CA bundle that signed every engine's certificate.")
+    server_name: str | None = Field(
+        None, description="Name to verify in producers' certificates (default: the address dialed)."
+    )
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate chain, private key, CA bundle), or a ConfigError naming the field."""
+        out = []
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = Path(getattr(self, name))
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"kv_transfer.tls.{name}: {exc}") from None
+            if not data.strip():
+                raise ConfigError(f"kv_transfer.tls.{name}: {path} is empty")
+            out.append(data)
+        return out[0], out[1], out[2]
+
+    def resolved(self, base_dir: Path) -> TLSSettings:
+        def absolute(value: str) -> str:
+            return value if Path(value).is_absolute() else str(base_dir / value)
+
+        return self.model_copy(
+            update={name: absolute(getattr(self, name)) for name in ("cert_file", "key_file", "ca_file")}
+        )
+
+
 class KVTransferSettings(_Section):
     backend: Backend = Field(
         "auto",
@@ -71,6 +105,7 @@ class KVTransferSettings(_Section):
     max_chunk_bytes: int = Field(4 << 20, ge=4096, le=MAX_CHUNK_LIMIT, description="Largest KV message.")
     pull_threads: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
     server_threads: int = Field(8, ge=1, le=256, description="Threads of each prefill's KV server.")
+    tls: TLSSettings | None = Field(None, description="Mutual TLS on the KV channels (off: plaintext).")
     fault_injection: FaultInjection = Field(default_factory=FaultInjection, description="Tests/drills.")
 
     @model_validator(mode="after")
@@ -103,7 +138,7 @@ class KVTransferSettings(_Section):
         return None
 
     def secret_value(self) -> str:
-        """The secret a running transport presents and checks (set by from_connector_config)."""
+        """The secret a running transport derives its keys from (set by from_connector_config)."""
         if self.secret is None:
             raise ConfigError("kv_transfer: no secret resolved for this KV endpoint")
         return self.secret.get_secret_value()

@@ -292,6 +292,7 @@ class ConnectorWorker:
             remote_device=info.device_kind,
             remote_offers=info.offers,
             remote_engine=info.engine_id or endpoint,
+            encrypted=self.settings.tls is not None,
         )
 
     def _producer_client(self, lease: KVParams) -> tuple[TransportClient, str]:

@@ -6,6 +6,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ChallengeRequest(_message.Message):
+    __slots__ = ("consumer_engine_id",)
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    consumer_engine_id: str
+    def __init__(self, consumer_engine_id: _Optional[str] = ...) -> None: ...
+
+class ChallengeResponse(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class AuthenticateRequest(_message.Message):
+    __slots__ = ("nonce", "client_nonce", "consumer_engine_id", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    client_nonce: bytes
+    consumer_engine_id: str
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., client_nonce: _Optional[bytes] = ..., consumer_engine_id: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class AuthenticateResponse(_message.Message):
+    __slots__ = ("session", "server_proof")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_PROOF_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    server_proof: bytes
+    def __init__(self, session: _Optional[str] = ..., server_proof: _Optional[bytes] = ...) -> None: ...
+
 class LayerSpec(_message.Message):
     __slots__ = ("name", "block_shape", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -41,7 +73,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "layout", "error", "node_id", "device_kind", "offers")
+    __slots__ = ("protocol_version", "engine_id", "layout", "error", "node_id", "device_kind", "offers", "shm_socket")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +81,7 @@ class HandshakeResponse(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     layout: KVLayout
@@ -56,7 +89,8 @@ class HandshakeResponse(_message.Message):
     node_id: str
     device_kind: str
     offers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., error: _Optional[str] = ..., node_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., offers: _Optional[_Iterable[str]] = ...) -> None: ...
+    shm_socket: str
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., error: _Optional[str] = ..., node_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., offers: _Optional[_Iterable[str]] = ..., shm_socket: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("protocol_version", "request_id", "block_ids", "consumer_engine_id", "max_chunk_bytes", "layout_digest")
@@ -109,20 +143,46 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ShmPullRequest(_message.Message):
-    __slots__ = ("pull", "consumed", "direct", "pid", "layer_addresses", "block_ids")
+    __slots__ = ("pull", "consumed", "direct", "pid", "block_ids", "registration")
     PULL_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
-    LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     pull: PullRequest
     consumed: int
     direct: bool
     pid: int
-    layer_addresses: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., consumed: _Optional[int] = ..., direct: _Optional[bool] = ..., pid: _Optional[int] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    registration: str
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., consumed: _Optional[int] = ..., direct: _Optional[bool] = ..., pid: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., registration: _Optional[str] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("address", "nbytes", "row_bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    nbytes: int
+    row_bytes: int
+    def __init__(self, address: _Optional[int] = ..., nbytes: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
+
+class ShmRegisterRequest(_message.Message):
+    __slots__ = ("token", "pid", "regions")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    pid: int
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, token: _Optional[str] = ..., pid: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class ShmRegisterResponse(_message.Message):
+    __slots__ = ("registration",)
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    registration: str
+    def __init__(self, registration: _Optional[str] = ...) -> None: ...
 
 class ShmChunk(_message.Message):
     __slots__ = ("header", "segment", "segment_bytes", "offset", "pid", "layer_addresses", "push_from_layer", "pushed", "pushed_layers")
@@ -157,16 +217,14 @@ class CollectiveOpenRequest(_message.Message):
     def __init__(self, consumer_engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., device_kind: _Optional[str] = ...) -> None: ...
 
 class CollectiveOpenResponse(_message.Message):
-    __slots__ = ("store_port", "group_key", "backend", "error")
-    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("group_key", "backend", "error")
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    store_port: int
     group_key: str
     backend: str
     error: str
-    def __init__(self, store_port: _Optional[int] = ..., group_key: _Optional[str] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, group_key: _Optional[str] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CollectivePullRequest(_message.Message):
     __slots__ = ("pull", "group_key", "tag")
@@ -189,3 +247,23 @@ class CollectiveProgress(_message.Message):
     bytes_sent: int
     done: bool
     def __init__(self, num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class CollectiveStoreRequest(_message.Message):
+    __slots__ = ("group_key", "op", "key", "value", "timeout_ms")
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    group_key: str
+    op: str
+    key: str
+    value: bytes
+    timeout_ms: int
+    def __init__(self, group_key: _Optional[str] = ..., op: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class CollectiveStoreResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...

@@ -34,40 +34,72 @@ class KVTransferStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Challenge = channel.unary_unary(
+                '/pdcluster.kv.v2.KVTransfer/Challenge',
+                request_serializer=kv__transfer__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.ChallengeResponse.FromString,
+                _registered_method=True)
+        self.Authenticate = channel.unary_unary(
+                '/pdcluster.kv.v2.KVTransfer/Authenticate',
+                request_serializer=kv__transfer__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.AuthenticateResponse.FromString,
+                _registered_method=True)
         self.Handshake = channel.unary_unary(
-                '/pdcluster.kv.v1.KVTransfer/Handshake',
+                '/pdcluster.kv.v2.KVTransfer/Handshake',
                 request_serializer=kv__transfer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
-                '/pdcluster.kv.v1.KVTransfer/Pull',
+                '/pdcluster.kv.v2.KVTransfer/Pull',
                 request_serializer=kv__transfer__pb2.PullRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.KVChunk.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
-                '/pdcluster.kv.v1.KVTransfer/Release',
+                '/pdcluster.kv.v2.KVTransfer/Release',
                 request_serializer=kv__transfer__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ShmRegister = channel.unary_unary(
+                '/pdcluster.kv.v2.KVTransfer/ShmRegister',
+                request_serializer=kv__transfer__pb2.ShmRegisterRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.ShmRegisterResponse.FromString,
+                _registered_method=True)
         self.ShmPull = channel.stream_stream(
-                '/pdcluster.kv.v1.KVTransfer/ShmPull',
+                '/pdcluster.kv.v2.KVTransfer/ShmPull',
                 request_serializer=kv__transfer__pb2.ShmPullRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ShmChunk.FromString,
                 _registered_method=True)
         self.CollectiveOpen = channel.unary_unary(
-                '/pdcluster.kv.v1.KVTransfer/CollectiveOpen',
+                '/pdcluster.kv.v2.KVTransfer/CollectiveOpen',
                 request_serializer=kv__transfer__pb2.CollectiveOpenRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.CollectiveOpenResponse.FromString,
                 _registered_method=True)
         self.CollectivePull = channel.unary_stream(
-                '/pdcluster.kv.v1.KVTransfer/CollectivePull',
+                '/pdcluster.kv.v2.KVTransfer/CollectivePull',
                 request_serializer=kv__transfer__pb2.CollectivePullRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.CollectiveProgress.FromString,
+                _registered_method=True)
+        self.CollectiveStore = channel.unary_unary(
+                '/pdcluster.kv.v2.KVTransfer/CollectiveStore',
+                request_serializer=kv__transfer__pb2.CollectiveStoreRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.CollectiveStoreResponse.FromString,
                 _registered_method=True)
 
 
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Challenge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Authenticate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Handshake(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -82,6 +114,12 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShmRegister(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,9 +143,25 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CollectiveStore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=kv__transfer__pb2.ChallengeRequest.FromString,
+                    response_serializer=kv__transfer__pb2.ChallengeResponse.SerializeToString,
+            ),
+            'Authenticate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authenticate,
+                    request_deserializer=kv__transfer__pb2.AuthenticateRequest.FromString,
+                    response_serializer=kv__transfer__pb2.AuthenticateResponse.SerializeToString,
+            ),
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
                     request_deserializer=kv__transfer__pb2.HandshakeRequest.FromString,
@@ -122,6 +176,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kv__transfer__pb2.ReleaseRequest.FromString,
                     response_serializer=kv__transfer__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ShmRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShmRegister,
+                    request_deserializer=kv__transfer__pb2.ShmRegisterRequest.FromString,
+                    response_serializer=kv__transfer__pb2.ShmRegisterResponse.SerializeToString,
             ),
             'ShmPull': grpc.stream_stream_rpc_method_handler(
                     servicer.ShmPull,
@@ -138,16 +197,75 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=kv__transfer__pb2.CollectivePullRequest.FromString,
                     response_serializer=kv__transfer__pb2.CollectiveProgress.SerializeToString,
             ),
+            'CollectiveStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectiveStore,
+                    request_deserializer=kv__transfer__pb2.CollectiveStoreRequest.FromString,
+                    response_serializer=kv__transfer__pb2.CollectiveStoreResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pdcluster.kv.v1.KVTransfer', rpc_method_handlers)
+            'pdcluster.kv.v2.KVTransfer', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdcluster.kv.v1.KVTransfer', rpc_method_handlers)
+    server.add_registered_method_handlers('pdcluster.kv.v2.KVTransfer', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kv.v2.KVTransfer/Challenge',
+            kv__transfer__pb2.ChallengeRequest.SerializeToString,
+            kv__transfer__pb2.ChallengeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Authenticate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kv.v2.KVTransfer/Authenticate',
+            kv__transfer__pb2.AuthenticateRequest.SerializeToString,
+            kv__transfer__pb2.AuthenticateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Handshake(request,
@@ -163,7 +281,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v1.KVTransfer/Handshake',
+            '/pdcluster.kv.v2.KVTransfer/Handshake',
             kv__transfer__pb2.HandshakeRequest.SerializeToString,
             kv__transfer__pb2.HandshakeResponse.FromString,
             options,
@@ -190,7 +308,7 @@ class KVTransfer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdcluster.kv.v1.KVTransfer/Pull',
+            '/pdcluster.kv.v2.KVTransfer/Pull',
             kv__transfer__pb2.PullRequest.SerializeToString,
             kv__transfer__pb2.KVChunk.FromString,
             options,
@@ -217,9 +335,36 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v1.KVTransfer/Release',
+            '/pdcluster.kv.v2.KVTransfer/Release',
             kv__transfer__pb2.ReleaseRequest.SerializeToString,
             kv__transfer__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShmRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kv.v2.KVTransfer/ShmRegister',
+            kv__transfer__pb2.ShmRegisterRequest.SerializeToString,
+            kv__transfer__pb2.ShmRegisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -244,7 +389,7 @@ class KVTransfer:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/pdcluster.kv.v1.KVTransfer/ShmPull',
+            '/pdcluster.kv.v2.KVTransfer/ShmPull',
             kv__transfer__pb2.ShmPullRequest.SerializeToString,
             kv__transfer__pb2.ShmChunk.FromString,
             options,
@@ -271,7 +416,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v1.KVTransfer/CollectiveOpen',
+            '/pdcluster.kv.v2.KVTransfer/CollectiveOpen',
             kv__transfer__pb2.CollectiveOpenRequest.SerializeToString,
             kv__transfer__pb2.CollectiveOpenResponse.FromString,
             options,
@@ -298,9 +443,36 @@ class KVTransfer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdcluster.kv.v1.KVTransfer/CollectivePull',
+            '/pdcluster.kv.v2.KVTransfer/CollectivePull',
             kv__transfer__pb2.CollectivePullRequest.SerializeToString,
             kv__transfer__pb2.CollectiveProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectiveStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kv.v2.KVTransfer/CollectiveStore',
+            kv__transfer__pb2.CollectiveStoreRequest.SerializeToString,
+            kv__transfer__pb2.CollectiveStoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

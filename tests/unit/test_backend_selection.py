@@ -13,7 +13,7 @@ from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, 
 ALL = ("grpc", "shm", "collective")
 
 
-def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL):
+def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL, encrypted=False):
     return choose_backend(
         configured,
         local_node="node-a",
@@ -22,6 +22,7 @@ def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL):
         remote_device=remote,
         remote_offers=offers,
         remote_engine="p0",
+        encrypted=encrypted,
     )
 
 
@@ -39,6 +40,13 @@ def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL):
 )
 def test_auto_picks_by_node_and_device(same_node, local, remote, offers, expected):
     assert choose("auto", same_node=same_node, local=local, remote=remote, offers=offers) == expected
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_auto_with_tls_never_moves_kv_in_clear_across_nodes(device):
+    """NCCL/HCCL carry KV unencrypted: with kv_transfer.tls, auto keeps to grpc (which runs TLS)."""
+    assert choose("auto", same_node=False, local=device, remote=device, encrypted=True) == "grpc"
+    assert choose("auto", same_node=True, local=device, remote=device, encrypted=True) == "shm"
 
 
 @pytest.mark.parametrize("backend", ALL)

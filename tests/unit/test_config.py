@@ -186,6 +186,21 @@ def test_key_and_secret_files_resolve_against_the_yaml_and_must_hold_something(t
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_tls_files_resolve_against_the_yaml_and_up_refuses_a_missing_one(tmp_path):
+    tls = {"cert_file": "tls/cert.pem", "key_file": "tls/key.pem", "ca_file": "/abs/ca.pem"}
+    path = _yaml(tmp_path / "c.yaml", kv_transfer={"tls": tls})
+    config = load_config(path)
+    assert config.kv_transfer.tls.cert_file == str(tmp_path / "tls" / "cert.pem")
+    assert config.kv_transfer.tls.ca_file == "/abs/ca.pem"
+    # what an engine gets: the absolute paths (its own node must have the files there)
+    assert config.kv_transfer.connector_config()["tls"]["key_file"] == str(tmp_path / "tls" / "key.pem")
+    with pytest.raises(ConfigError, match=r"kv_transfer.tls.cert_file: .*No such file"):
+        read_credentials(config)
+    result = cli("up", str(path))
+    assert result.returncode == 2 and "kv_transfer.tls.cert_file" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_a_bad_credential_is_named_but_never_echoed():
     for section in ({"kv_transfer": {"secret": 987654321}}, {"router": {"api_keys": [987654321]}}):
         with pytest.raises(ConfigError) as info:

@@ -8,7 +8,6 @@ pair group built on first use.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import stat
 import time
@@ -16,78 +15,23 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from pdcluster.errors import AuthenticationError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
-from pdcluster.kv_transfer.transports import create_transport, serve_backends
+from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.transports.base import CacheSink
-from pdcluster.kv_transfer.transports.shm import SEGMENT_PREFIX, SHM_DIR
+from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.unit.kv_fixtures import make_cache
-
-SECRET = "fast-transport-secret"
-CHUNK = 4096  # small chunks: many per pull, so the ring wraps and sends pipeline
-REQUESTS = {"req-a": [3, 9, 10, 11, 60], "req-b": list(range(20, 40)), "req-c": [1, 2]}
-
-
-def settings(**overrides) -> KVTransferSettings:
-    return KVTransferSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_seconds=20, **overrides)
-
-
-def producer_main(conn) -> None:
-    cache = make_cache(seed=7)
-    producer = KVProducer(cache, "prefill-0", max_chunk_bytes=CHUNK, lease_wait_s=0.5)
-    for request_id, ids in REQUESTS.items():
-        producer.leases.add(request_id, ids, time.monotonic() + 600)
-    server = serve_backends(["grpc", "shm", "collective"], settings(), producer, "127.0.0.1", 0)
-    conn.send(server.address)
-    while (command := conn.recv()) != "stop":
-        if command == "segments":
-            conn.send(sorted(p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*")))
-        elif command == "released":
-            conn.send(sorted(lease.request_id for lease in producer.leases.collect_finished()))
-    server.stop(0)
-    conn.send(os.getpid())
+from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
 
 
 @pytest.fixture(scope="module")
 def producer_process():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child,))
-    proc.start()
-    try:
-        yield parent.recv(), parent
-    finally:
-        parent.send("stop")
-        pid = parent.recv()
-        proc.join(30)
-        # Every segment is unlinked when the server stops.
-        assert not list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{pid}-*"))
-
-
-def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool):
-    consumer = make_cache(fill="zeros")
-    client = create_transport(backend, settings()).connect(address)
-    try:
-        client.handshake(consumer.layout, "decode-0")
-        scatterer = BlockScatterer(consumer, CHUNK)
-        scatterer.begin(dst_ids)
-        # A plain callable sink never offers the cache for direct copies: the shm ring is used.
-        sink = CacheSink(scatterer) if direct else scatterer.write
-        nbytes = client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=20)
-    finally:
-        client.close()
-    return consumer, nbytes
-
-
-def assert_copied(consumer, request_id, dst_ids) -> None:
-    source = make_cache(seed=7)
-    for src, dst in zip(source.tensors, consumer.tensors):
-        assert torch.equal(dst[dst_ids], src[REQUESTS[request_id]])
+    with running_producer() as producer:
+        yield producer
 
 
 @pytest.mark.parametrize(("backend", "direct"), [("shm", True), ("shm", False), ("collective", False)])

@@ -15,6 +15,7 @@ from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION, layout_digest
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport
+from pdcluster.kv_transfer.transports.rpc import SERVICE
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.unit.kv_fixtures import make_cache
 
@@ -118,7 +119,7 @@ def test_raw_grpc_client_without_secret_gets_nothing(producer_server):
     producer.leases.add("req-5", [1, 2], time.monotonic() + 30)
     with grpc.insecure_channel(server.address) as channel:
         pull = channel.unary_stream(
-            "/pdcluster.kv.v1.KVTransfer/Pull",
+            f"/{SERVICE}/Pull",
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=pb.KVChunk.FromString,
         )

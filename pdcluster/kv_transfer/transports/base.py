@@ -5,7 +5,7 @@ Clients do three things, mirroring protos/kv_transfer.proto: `handshake`, `pull`
 a callback that writes them into the local cache), and `release`. Backends are registered by name
 in `transports/__init__.py` and imported only when used.
 
-Every backend's control (handshake, release, the secret) is the gRPC service; a faster backend adds
+Every backend's control (authentication, handshake, release) is the gRPC service; a faster backend adds
 its RPCs to the producer's one gRPC server through a `ServerExtension`, so a producer can serve
 several backends at once and each consumer picks one per producer (`selection.py`).
 """
@@ -26,7 +26,9 @@ from pdcluster.kv_transfer.settings import KVTransferSettings
 # Receives each chunk's bytes: a host buffer, or (collective backend on an accelerator) a tensor
 # on the cache's device. Valid only during the call.
 ChunkSink = Callable[[Chunk, "memoryview | torch.Tensor"], None]
-Authorize = Callable[[Any], None]  # aborts the gRPC call unless it carries the cluster secret
+# (gRPC context, method name) -> the caller's authenticated session; aborts the call otherwise
+# (transports/rpc.py: build handlers with its unary_unary/unary_stream/stream_stream).
+Authorize = Callable[[Any, str], Any]
 
 
 class CacheSink:
@@ -47,6 +49,13 @@ class CacheSink:
 
     def host_rows(self) -> list[tuple[int, int]] | None:
         return self.scatterer.host_rows()
+
+    def host_regions(self) -> list[tuple[int, int, int]] | None:
+        """Per layer (address, bytes, bytes per block) of the whole cache, for host caches."""
+        rows = self.host_rows()
+        if rows is None:
+            return None
+        return [(address, row * self.scatterer.cache.num_blocks, row) for address, row in rows]
 
     @property
     def block_ids(self) -> Sequence[int]:
@@ -99,6 +108,10 @@ class ServerExtension(ABC):
     @abstractmethod
     def handlers(self, authorize: Authorize) -> dict[str, Any]:
         """gRPC method name -> grpc.RpcMethodHandler; each handler calls `authorize` first."""
+
+    def handshake_fields(self) -> dict[str, Any]:
+        """Fields this backend adds to the server's HandshakeResponse."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook: most extensions hold nothing
         """Free what the extension holds (called when the server stops)."""

@@ -1,12 +1,17 @@
 """Collective backend: KV moves as torch.distributed point-to-point send/recv between a P and a
-D worker; gRPC carries control (rendezvous, which request and blocks, errors) with the secret.
+D worker; the authenticated gRPC channel carries control (rendezvous, which request and blocks,
+errors).
 
 Pair setup, on a consumer's first pull from a producer endpoint: the consumer calls
-`CollectiveOpen`; the producer opens its TCPStore (one per server, ephemeral port, on first use)
-and both sides build a standalone two-rank group over a PrefixStore keyed by a random group key
-(producer rank 0, consumer rank 1). It is never the default process group vLLM may have made and
-belongs to this pair only, so replicas can come and go with scaling. A consumer that opens again
-(its group broke) replaces its old pair.
+`CollectiveOpen`; the producer makes the pair's rendezvous store (a key-value dict in its own
+process, `PairStore`) under a random group key bound to the consumer's session, and both sides
+build a standalone two-rank group over it (producer rank 0, consumer rank 1): the producer on the
+store itself, the consumer through `RemoteStore`, whose set/get are `CollectiveStore` calls on
+its session. No store port is ever opened, so nobody outside the cluster can read the ranks'
+addresses or write their own into a pair's rendezvous, and no other session can reach the pair.
+The group is never the default process group vLLM may have made and belongs to this pair only,
+so replicas can come and go with scaling. A consumer that opens again (its group broke) replaces
+its old pair.
 
 A pull: the consumer holds its pair's lock (one pull at a time per pair) and calls
 `CollectivePull` with a fresh tag; the producer holds the lease and the pair's lock, announces the
@@ -16,7 +21,9 @@ that fails or times out breaks the pair on both sides (the next pull opens a new
 
 Backend by device: gloo on CPU (tested here), NCCL on CUDA, HCCL on Ascend (torch_npu): the same
 code; only the backend name and the buffers' device differ. NCCL and HCCL are untested on
-hardware here (tools/kv_collective_device_check.py exercises them on a GPU host).
+hardware here (tools/kv_collective_device_check.py exercises them on a GPU host). The ranks'
+send/recv connections are the backend's own (gloo's TCP pairs, NCCL's sockets or RDMA): they
+carry KV unencrypted, also with `kv_transfer.tls` (README, threat model).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache, chunk_plan
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import DeviceContext, gather_blocks
+from pdcluster.kv_transfer.transports import rpc
 from pdcluster.kv_transfer.transports.base import (
     Authorize,
     ChunkSink,
@@ -53,6 +61,7 @@ from pdcluster.kv_transfer.transports.grpc_transport import (
     pull_errors_abort,
     translate,
 )
+from pdcluster.kv_transfer.transports.rendezvous import PairStore, RemoteStore
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -152,6 +161,8 @@ def recv_chunks(group, device: torch.device, plan: list[Chunk], tag: int, buffer
 class _Pair:
     key: str
     consumer: str
+    session: str  # the consumer's authenticated session: the only one that may use the pair
+    store: PairStore
     group: Future
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -163,7 +174,6 @@ class CollectiveExtension(ServerExtension):
         self.device = producer.cache.device
         self.backend = backend_for(self.device.type)
         self.host = host
-        self._store = None
         self._pairs: OrderedDict[str, _Pair] = OrderedDict()
         self._lock = threading.Lock()
         self._opener = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-collective")
@@ -171,28 +181,43 @@ class CollectiveExtension(ServerExtension):
         self._timeout = timedelta(seconds=settings.pull_timeout_seconds)
 
     def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
-        def open_(request, context):
-            authorize(context)
-            return self._open(request)
-
-        def pull(request, context):
-            authorize(context)
-            yield from self._pull(request, context)
-
         return {
-            "CollectiveOpen": grpc.unary_unary_rpc_method_handler(
-                open_,
-                request_deserializer=pb.CollectiveOpenRequest.FromString,
-                response_serializer=pb.CollectiveOpenResponse.SerializeToString,
+            "CollectiveOpen": rpc.unary_unary(
+                authorize, "CollectiveOpen", pb.CollectiveOpenRequest, pb.CollectiveOpenResponse, self._open
             ),
-            "CollectivePull": grpc.unary_stream_rpc_method_handler(
-                pull,
-                request_deserializer=pb.CollectivePullRequest.FromString,
-                response_serializer=pb.CollectiveProgress.SerializeToString,
+            "CollectivePull": rpc.unary_stream(
+                authorize,
+                "CollectivePull",
+                pb.CollectivePullRequest,
+                self._pull,
+                pb.CollectiveProgress.SerializeToString,
+            ),
+            "CollectiveStore": rpc.unary_unary(
+                authorize, "CollectiveStore", pb.CollectiveStoreRequest, pb.CollectiveStoreResponse, self._store_op
             ),
         }
 
-    def _open(self, request: pb.CollectiveOpenRequest) -> pb.CollectiveOpenResponse:
+    def _pair(self, key: str, session, context) -> _Pair:
+        with self._lock:
+            pair = self._pairs.get(key)
+        if pair is None or pair.session != session.id:
+            context.abort(grpc.StatusCode.ABORTED, "unknown collective group: open a new one")
+        return pair
+
+    def _store_op(self, request: pb.CollectiveStoreRequest, session, context) -> pb.CollectiveStoreResponse:
+        pair = self._pair(request.group_key, session, context)
+        try:
+            if request.op == "set":
+                pair.store.set(request.key, request.value)
+                return pb.CollectiveStoreResponse()
+            if request.op == "get":
+                timeout_s = min(request.timeout_ms / 1000, self._timeout.total_seconds())
+                return pb.CollectiveStoreResponse(value=pair.store.get(request.key, timeout_s))
+        except KVTransferError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown collective store op {request.op!r}")
+
+    def _open(self, request: pb.CollectiveOpenRequest, session, context) -> pb.CollectiveOpenResponse:
         if request.backend != self.backend or request.device_kind != self.device.type:
             error = (
                 f"collective backend mismatch: prefill (producer) uses {self.backend} on "
@@ -200,45 +225,24 @@ class CollectiveExtension(ServerExtension):
             )
             logger.error("%s", error)
             return pb.CollectiveOpenResponse(backend=self.backend, error=error)
-        from torch.distributed import PrefixStore, TCPStore
-
         key = secrets.token_hex(16)
+        store = PairStore(self._timeout)
         with self._lock:
-            if self._store is None:
-                self._store = TCPStore(
-                    self.host,
-                    0,
-                    None,
-                    is_master=True,
-                    timeout=self._timeout,
-                    wait_for_workers=False,
-                )
-            store = self._store
-            for old in [p for p in self._pairs.values() if p.consumer == request.consumer_engine_id]:
+            for old in [p for p in self._pairs.values() if p.session == session.id]:
                 del self._pairs[old.key]  # that consumer's previous group broke
             while len(self._pairs) >= MAX_PAIRS:
                 self._pairs.popitem(last=False)
-            group = self._opener.submit(
-                make_pair_group,
-                self.backend,
-                PrefixStore(key, store),
-                PRODUCER,
-                self._timeout,
-                self.host,
-            )
-            self._pairs[key] = _Pair(key, request.consumer_engine_id, group)
-        logger.info("KV collective pair with %s (%s) opening", request.consumer_engine_id, self.backend)
-        return pb.CollectiveOpenResponse(store_port=store.port, group_key=key, backend=self.backend)
+            group = self._opener.submit(make_pair_group, self.backend, store, PRODUCER, self._timeout, self.host)
+            self._pairs[key] = _Pair(key, session.consumer, session.id, store, group)
+        logger.info("KV collective pair with %s (%s) opening", session.consumer, self.backend)
+        return pb.CollectiveOpenResponse(group_key=key, backend=self.backend)
 
     def _drop(self, pair: _Pair) -> None:
         with self._lock:
             self._pairs.pop(pair.key, None)
 
-    def _pull(self, request: pb.CollectivePullRequest, context) -> Iterator[pb.CollectiveProgress]:
-        with self._lock:
-            pair = self._pairs.get(request.group_key)
-        if pair is None:
-            context.abort(grpc.StatusCode.ABORTED, "unknown collective group: open a new one")
+    def _pull(self, request: pb.CollectivePullRequest, session, context) -> Iterator[pb.CollectiveProgress]:
+        pair = self._pair(request.group_key, session, context)
         try:
             group = pair.group.result(timeout=self._timeout.total_seconds())
         except Exception as exc:  # rendezvous failed (timeout, peer gone): the pair is unusable
@@ -272,7 +276,6 @@ class CollectiveExtension(ServerExtension):
     def close(self) -> None:
         with self._lock:
             self._pairs.clear()
-            self._store = None
         self._opener.shutdown(wait=False, cancel_futures=True)
 
 
@@ -291,12 +294,24 @@ class CollectiveClient(GrpcClient):
             request_serializer=pb.CollectivePullRequest.SerializeToString,
             response_deserializer=pb.CollectiveProgress.FromString,
         )
+        self._store = self.channel.unary_unary(
+            f"/{SERVICE}/CollectiveStore",
+            request_serializer=pb.CollectiveStoreRequest.SerializeToString,
+            response_deserializer=pb.CollectiveStoreResponse.FromString,
+        )
         self._pair_lock = threading.Lock()
         self._group = None
         self._key = ""
         self._tag = 0
         self._buffers = _Buffers(self.device)
         self._timeout = timedelta(seconds=settings.pull_timeout_seconds)
+        self.control.on_new_session.append(self._forget_group)  # a new session: the pair is gone
+
+    def _forget_group(self) -> None:
+        self._group = None
+
+    def store_call(self, request: pb.CollectiveStoreRequest, timeout: float) -> pb.CollectiveStoreResponse:
+        return self._store(request, metadata=self.control.metadata("CollectiveStore"), timeout=timeout)
 
     def _ensure_group(self, engine_id: str):
         if self._group is not None:
@@ -306,7 +321,7 @@ class CollectiveClient(GrpcClient):
                 pb.CollectiveOpenRequest(
                     consumer_engine_id=engine_id, backend=self.backend, device_kind=self.device.type
                 ),
-                metadata=self.metadata,
+                metadata=self.control.metadata("CollectiveOpen"),
                 timeout=self.settings.connect_timeout_seconds,
                 wait_for_ready=True,
             )
@@ -314,14 +329,11 @@ class CollectiveClient(GrpcClient):
             raise translate(exc, self.endpoint, "KV collective open") from None
         if reply.error:
             raise HandshakeError(reply.error)
-        from torch.distributed import PrefixStore, TCPStore
-
         host = self.endpoint.rpartition(":")[0].strip("[]")
         try:
-            store = TCPStore(host, reply.store_port, None, is_master=False, timeout=self._timeout)
             self._group = make_pair_group(
                 self.backend,
-                PrefixStore(reply.group_key, store),
+                RemoteStore(self, reply.group_key, self._timeout),
                 CONSUMER,
                 self._timeout,
                 local_address_towards(host),
@@ -342,6 +354,12 @@ class CollectiveClient(GrpcClient):
         timeout_s: float,
     ) -> int:
         request = self.pull_request(request_id, block_ids, engine_id)
+        return self.control.call(lambda: self._pull_once(request, block_ids, sink, timeout_s, engine_id))
+
+    def _pull_once(
+        self, request: pb.PullRequest, block_ids: Sequence[int], sink: ChunkSink, timeout_s: float, engine_id: str
+    ) -> int:
+        request_id = request.request_id
         assert self._remote_layout is not None
         row_bytes = [spec.block_bytes for spec in self._remote_layout.layers]
         with self._pair_lock:
@@ -349,7 +367,7 @@ class CollectiveClient(GrpcClient):
             self._tag = self._tag % (1 << 30) + 1
             call = self._collective_pull(
                 pb.CollectivePullRequest(pull=request, group_key=self._key, tag=self._tag),
-                metadata=self.metadata,
+                metadata=self.control.metadata("CollectivePull"),
                 timeout=timeout_s,
             )
             try:

@@ -1,18 +1,17 @@
 """gRPC backend: portable KV handoff between any two hosts.
 
 Server: a grpc thread-pool server in the producer's model-runner process, bound to the configured
-address. Every call must carry the cluster secret (metadata `x-pdcluster-kv-secret`), compared in
-constant time; a peer without it gets UNAUTHENTICATED and no bytes. `Pull` streams `KVChunk`
-messages encoded by `wire.py` straight from the staging slots (the generated serializer is
-bypassed for this one message; its bytes are still the protobuf encoding).
+address. Every call but the two that open a session must prove its session (rpc.py, auth.py); a
+peer without one gets UNAUTHENTICATED, its request unparsed, and no bytes. `Pull` streams
+`KVChunk` messages encoded by `wire.py` straight from the staging slots (the generated
+serializer is bypassed for this one message; its bytes are still the protobuf encoding).
 
-Client: one channel per producer endpoint, reused across pulls; chunks are decoded to zero-copy
-views and handed to the sink, which writes them into the local cache.
+Client: one channel per producer endpoint, reused across pulls, and one session on it; chunks are
+decoded to zero-copy views and handed to the sink, which writes them into the local cache.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -21,18 +20,12 @@ from contextlib import contextmanager
 import grpc
 import grpc.experimental
 
-from pdcluster.errors import (
-    AuthenticationError,
-    HandshakeError,
-    KVTransferError,
-    LeaseNotFoundError,
-    TransferTimeoutError,
-)
+from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.kv_transfer.auth import ServerAuth, ServerSession
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import (
     PROTOCOL_VERSION,
-    SECRET_METADATA_KEY,
     KVLayout,
     LayerSpec,
     ProducerInfo,
@@ -41,6 +34,7 @@ from pdcluster.kv_transfer.protocol import (
     layout_digest,
 )
 from pdcluster.kv_transfer.settings import KVTransferSettings
+from pdcluster.kv_transfer.transports import rpc
 from pdcluster.kv_transfer.transports.base import (
     ChunkSink,
     ServerExtension,
@@ -48,13 +42,13 @@ from pdcluster.kv_transfer.transports.base import (
     TransportClient,
     TransportServer,
 )
+from pdcluster.kv_transfer.transports.rpc import SERVICE, ControlChannel, translate
 from pdcluster.kv_transfer.wire import ChunkHeader, allocate_chunk, decode_chunk
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVICE = "pdcluster.kv.v1.KVTransfer"
-_MESSAGE_LIMIT = 256 << 20
+__all__ = ["SERVICE", "GrpcClient", "GrpcServer", "pull_errors_abort", "stream_pull", "translate"]
 
 
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
@@ -75,17 +69,6 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
         tp_rank=msg.tp_rank,
         layers=tuple(LayerSpec(name=s.name, block_shape=tuple(s.block_shape), dtype=s.dtype) for s in msg.layers),
     )
-
-
-def _channel_options(settings: KVTransferSettings) -> list[tuple[str, int]]:
-    limit = max(_MESSAGE_LIMIT, settings.max_chunk_bytes * 2)
-    return [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        # Bulk transfer tuning (bench/kv_transfer.py): fewer, larger HTTP/2 frames and writes.
-        ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
-        ("grpc.http2.write_buffer_size", 64 * 1024 * 1024),
-    ]
 
 
 def stream_pull(producer: KVProducer, request: pb.PullRequest, into):
@@ -112,25 +95,15 @@ def pull_errors_abort(context: grpc.ServicerContext) -> Iterator[None]:
 
 
 class _Servicer:
-    def __init__(self, producer: KVProducer, secret: str, offers: Sequence[str]):
+    def __init__(self, producer: KVProducer, offers: Sequence[str]):
         from pdcluster.kv_transfer.transports.selection import node_id
 
         self.producer = producer
-        self._secret = secret.encode()
         self._node_id = node_id()
         self._offers = list(offers)
+        self.handshake_fields: dict[str, str] = {}  # what extensions add (shm: its socket)
 
-    def authorize(self, context: grpc.ServicerContext) -> None:
-        presented = b""
-        for key, value in context.invocation_metadata():
-            if key == SECRET_METADATA_KEY:
-                presented = value.encode() if isinstance(value, str) else value
-        if not hmac.compare_digest(presented, self._secret):
-            logger.warning("refused KV call from %s: missing or wrong secret", context.peer())
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
-
-    def handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
-        self.authorize(context)
+    def handshake(self, request: pb.HandshakeRequest, session: ServerSession, context) -> pb.HandshakeResponse:
         error = ""
         try:
             self.producer.handshake(request.protocol_version, layout_from_pb(request.layout))
@@ -145,10 +118,10 @@ class _Servicer:
             node_id=self._node_id,
             device_kind=self.producer.cache.device.type,
             offers=self._offers,
+            **self.handshake_fields,
         )
 
-    def pull(self, request: pb.PullRequest, context):
-        self.authorize(context)
+    def pull(self, request: pb.PullRequest, session: ServerSession, context):
         messages: list[bytes] = []
 
         def into(chunk: Chunk) -> memoryview:
@@ -162,14 +135,9 @@ class _Servicer:
             for _ in stream_pull(self.producer, request, into):
                 yield messages.pop()
 
-    def release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        self.authorize(context)
+    def release(self, request: pb.ReleaseRequest, session: ServerSession, context) -> pb.ReleaseResponse:
         released = self.producer.release(request.request_id, request.transferred)
         return pb.ReleaseResponse(released=released)
-
-
-def _identity(raw: bytes) -> bytes:
-    return raw
 
 
 class GrpcServer(TransportServer):
@@ -184,34 +152,29 @@ class GrpcServer(TransportServer):
         extensions: Sequence[ServerExtension] = (),
         offers: Sequence[str] = ("grpc",),
     ):
-        servicer = _Servicer(producer, settings.secret_value(), offers)
+        servicer = _Servicer(producer, offers)
         self._extensions = list(extensions)
+        auth = self.auth = ServerAuth(settings.secret_value())
+        authorize = rpc.Authorizer(auth)
         handlers = {
-            "Handshake": grpc.unary_unary_rpc_method_handler(
-                servicer.handshake,
-                request_deserializer=pb.HandshakeRequest.FromString,
-                response_serializer=pb.HandshakeResponse.SerializeToString,
+            **rpc.session_handlers(auth, authorize),
+            "Handshake": rpc.unary_unary(
+                authorize, "Handshake", pb.HandshakeRequest, pb.HandshakeResponse, servicer.handshake
             ),
-            "Pull": grpc.unary_stream_rpc_method_handler(
-                servicer.pull,
-                request_deserializer=pb.PullRequest.FromString,
-                response_serializer=_identity,  # already the KVChunk encoding (wire.py)
-            ),
-            "Release": grpc.unary_unary_rpc_method_handler(
-                servicer.release,
-                request_deserializer=pb.ReleaseRequest.FromString,
-                response_serializer=pb.ReleaseResponse.SerializeToString,
-            ),
+            # The chunks are already the KVChunk encoding (wire.py): no serializer.
+            "Pull": rpc.unary_stream(authorize, "Pull", pb.PullRequest, servicer.pull, None),
+            "Release": rpc.unary_unary(authorize, "Release", pb.ReleaseRequest, pb.ReleaseResponse, servicer.release),
         }
         for extension in self._extensions:
-            handlers.update(extension.handlers(servicer.authorize))
+            handlers.update(extension.handlers(authorize))
+            servicer.handshake_fields.update(extension.handshake_fields())
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=settings.server_threads, thread_name_prefix="kv-grpc"),
-            options=[*_channel_options(settings), ("grpc.so_reuseport", 0)],
+            options=rpc.server_options(settings),
         )
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            bound = rpc.bind(self._server, f"{host}:{port}", settings)
         except RuntimeError as exc:
             self.close_extensions()
             raise KVTransferError(f"cannot bind KV server to {host}:{port}: {exc}") from exc
@@ -236,34 +199,12 @@ class GrpcServer(TransportServer):
         self._extensions.clear()
 
 
-_STATUS_ERRORS: dict[grpc.StatusCode, type[KVTransferError]] = {
-    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.NOT_FOUND: LeaseNotFoundError,
-    grpc.StatusCode.FAILED_PRECONDITION: HandshakeError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: TransferTimeoutError,
-}
-
-
-def translate(exc: grpc.RpcError, endpoint: str, what: str) -> KVTransferError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = _STATUS_ERRORS.get(code, KVTransferError)
-    return cls(f"{what} on {endpoint} failed ({code.name}): {details}")
-
-
 class GrpcClient(TransportClient):
     def __init__(self, endpoint: str, settings: KVTransferSettings):
         self.endpoint = endpoint
         self.settings = settings
-        self.channel = grpc.insecure_channel(
-            endpoint,
-            options=[
-                *_channel_options(settings),
-                # Consume the Pull stream on the calling thread (no hand-off per message).
-                # (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
-            ],
-        )
-        self.metadata = ((SECRET_METADATA_KEY, settings.secret_value()),)
+        self.control = ControlChannel(endpoint, settings)
+        self.channel = self.control.channel
         self._handshake = self.channel.unary_unary(
             f"/{SERVICE}/Handshake",
             request_serializer=pb.HandshakeRequest.SerializeToString,
@@ -281,20 +222,26 @@ class GrpcClient(TransportClient):
         )
         self._digest: int | None = None
         self._remote_layout: KVLayout | None = None
+        self.shm_socket = ""  # the producer's, from the handshake (shm's direct variant)
 
     def handshake(self, local_layout: KVLayout, engine_id: str) -> ProducerInfo:
         request = pb.HandshakeRequest(
             protocol_version=PROTOCOL_VERSION, engine_id=engine_id, layout=layout_to_pb(local_layout)
         )
-        try:
-            reply = self._handshake(
-                request,
-                metadata=self.metadata,
-                timeout=self.settings.connect_timeout_seconds,
-                wait_for_ready=True,
-            )
-        except grpc.RpcError as exc:
-            raise translate(exc, self.endpoint, "KV handshake") from None
+        self.control.engine_id = engine_id
+
+        def call() -> pb.HandshakeResponse:
+            try:
+                return self._handshake(
+                    request,
+                    metadata=self.control.metadata("Handshake"),
+                    timeout=self.settings.connect_timeout_seconds,
+                    wait_for_ready=True,
+                )
+            except grpc.RpcError as exc:
+                raise translate(exc, self.endpoint, "KV handshake") from None
+
+        reply = self.control.call(call)
         if reply.error:
             raise HandshakeError(reply.error)
         check_protocol_version(reply.protocol_version, remote_role="prefill (producer)")
@@ -302,6 +249,7 @@ class GrpcClient(TransportClient):
         compare_layouts(local_layout, remote, local_role="decode (consumer)", remote_role="prefill (producer)")
         self._digest = layout_digest(local_layout)
         self._remote_layout = remote
+        self.shm_socket = reply.shm_socket
         return ProducerInfo(
             engine_id=reply.engine_id,
             layout=remote,
@@ -352,8 +300,12 @@ class GrpcClient(TransportClient):
         timeout_s: float,
     ) -> int:
         request = self.pull_request(request_id, block_ids, engine_id)
+        return self.control.call(lambda: self._pull_once(request, block_ids, sink, timeout_s))
+
+    def _pull_once(self, request: pb.PullRequest, block_ids: Sequence[int], sink: ChunkSink, timeout_s: float) -> int:
+        request_id = request.request_id
         received = 0
-        call = self._pull(request, metadata=self.metadata, timeout=timeout_s)
+        call = self._pull(request, metadata=self.control.metadata("Pull"), timeout=timeout_s)
         try:
             for header, data in call:
                 chunk = self.check_chunk(header, len(block_ids))
@@ -372,13 +324,17 @@ class GrpcClient(TransportClient):
 
     def release(self, request_id: str, *, transferred: bool, engine_id: str, timeout_s: float) -> bool:
         request = pb.ReleaseRequest(request_id=request_id, transferred=transferred, consumer_engine_id=engine_id)
-        try:
-            return self._release(request, metadata=self.metadata, timeout=timeout_s).released
-        except grpc.RpcError as exc:
-            raise translate(exc, self.endpoint, f"KV release of {request_id}") from None
+
+        def call() -> bool:
+            try:
+                return self._release(request, metadata=self.control.metadata("Release"), timeout=timeout_s).released
+            except grpc.RpcError as exc:
+                raise translate(exc, self.endpoint, f"KV release of {request_id}") from None
+
+        return self.control.call(call)
 
     def close(self) -> None:
-        self.channel.close()
+        self.control.close()
 
 
 class GrpcTransport(Transport):

@@ -4,7 +4,8 @@ The producer's KV server tells, in the handshake of each connection (protocol.Pr
 node identity, its KV cache's device kind and the backends it offers (`offered_backends`). The
 consumer's `kv_transfer.backend` then decides (`choose_backend`):
   auto        shm on the same node; else collective when both caches are on the same kind of
-              accelerator (NCCL / HCCL); else grpc
+              accelerator (NCCL / HCCL) and the KV channels need no encryption (collective
+              backends carry KV in clear: with `kv_transfer.tls` auto keeps to grpc); else grpc
   explicit    that backend, refused with both sides' values if the producer does not offer it
               (or, for shm, is on another node)
 """
@@ -55,13 +56,16 @@ def choose_backend(
     remote_device: str,
     remote_offers: tuple[str, ...] | list[str],
     remote_engine: str = "prefill",
+    encrypted: bool = False,
 ) -> str:
-    """The backend this consumer uses with that producer (raises naming both sides' values)."""
+    """The backend this consumer uses with that producer (raises naming both sides' values).
+    `encrypted`: the KV channels run TLS, so auto never picks a backend that moves KV in clear."""
     same_node = bool(remote_node) and remote_node == local_node
     if configured == "auto":
         if same_node and "shm" in remote_offers:
             return "shm"
-        if local_device in ACCELERATORS and remote_device == local_device and "collective" in remote_offers:
+        same_accelerator = local_device in ACCELERATORS and remote_device == local_device
+        if same_accelerator and not encrypted and "collective" in remote_offers:
             return "collective"
         if "grpc" in remote_offers:
             return "grpc"

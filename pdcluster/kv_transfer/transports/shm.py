@@ -6,17 +6,18 @@ producer gathers chunk i straight from its cache into slot i % SLOTS and streams
 saying where it lies. Before it overwrites a slot it waits until the consumer reported
 (`consumed`) that it copied that chunk out, so the producer's gather of the next chunks overlaps
 the consumer's scatter of this one: one copy in each process, on two cores. The segment's name is
-only ever sent in reply to a call that presented the cluster secret. Segments are unlinked when
-the server stops, and at interpreter exit.
+only ever sent in reply to an authenticated call. Segments are unlinked when the server stops,
+and at interpreter exit.
 
 Consumer: `ShmClient` (the gRPC client, plus ShmPull) maps each segment once, read-only, and
 hands the sink zero-copy views of the slots.
 
 Direct variant (both caches in host memory): two copies through a segment cost twice the memory
 traffic of one, so where the OS lets the peers copy between each other's memory (cma.py) the
-consumer sends its pid, cache addresses and destination blocks; the producer, holding the lease,
-answers with its own and then writes the upper half of the layers into the consumer's cache while
-the consumer reads the lower half from the producer's: one copy per byte, on two cores. From the
+consumer proves which process it is and registers its cache (peers.py), then names its
+registration and destination blocks; the producer, holding the lease, answers with its own
+addresses and then writes the upper half of the layers into the consumer's registered cache
+while the consumer reads the lower half from the producer's: one copy per byte, on two cores. From the
 second pull on, the consumer knows the producer's addresses and copies its half while the request
 is still on its way (`_read_early`), and it returns once every byte is in, leaving the call to end
 in the background. Where the OS refuses (EPERM), the client falls back to the ring for good.
@@ -26,23 +27,20 @@ from __future__ import annotations
 
 import atexit
 import logging
-import mmap
 import os
 import queue
-import re
-import secrets
+import socket
 import threading
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import grpc
 
-from pdcluster.errors import HandshakeError, KVTransferError
+from pdcluster.errors import KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import Pool
-from pdcluster.kv_transfer.transports import cma
+from pdcluster.kv_transfer.transports import cma, peers, rpc
 from pdcluster.kv_transfer.transports.base import (
     Authorize,
     CacheSink,
@@ -51,6 +49,7 @@ from pdcluster.kv_transfer.transports.base import (
     Transport,
     TransportClient,
 )
+from pdcluster.kv_transfer.transports.direct import DirectRead, DirectRefused
 from pdcluster.kv_transfer.transports.grpc_transport import (
     SERVICE,
     GrpcClient,
@@ -58,72 +57,10 @@ from pdcluster.kv_transfer.transports.grpc_transport import (
     stream_pull,
     translate,
 )
+from pdcluster.kv_transfer.transports.segments import SLOTS, Ring, Segment
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
-
-SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "pdcluster-kv-"
-_NAME = re.compile(r"pdcluster-kv-[0-9]+-[0-9a-f]{16}")
-SLOTS = 4  # chunks in flight per pull (4 MiB each by default)
-_PAGE = mmap.PAGESIZE
-
-
-class Segment:
-    """A mapped POSIX shared-memory segment (a file under /dev/shm)."""
-
-    def __init__(self, name: str, size: int, *, create: bool):
-        if not _NAME.fullmatch(name):
-            raise KVTransferError(f"refusing shared-memory segment name {name!r}")
-        self.name = name
-        self.size = size
-        self.path = SHM_DIR / name
-        if create:
-            # O_EXCL: never adopt a file someone else made; 0600: only this user may map it.
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        else:
-            fd = os.open(self.path, os.O_RDONLY)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise KVTransferError(
-                    f"shared-memory segment {name} has {os.fstat(fd).st_size} bytes, the producer announced {size}"
-                )
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-        except BaseException:
-            if create:
-                os.unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
-        self.view = memoryview(self._map)
-
-    def close(self) -> None:
-        self.view.release()
-        try:
-            self._map.close()
-        except BufferError:
-            logger.warning("shared-memory segment %s still has views; left mapped", self.name)
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            return
-
-
-class _Ring:
-    """A producer's segment cut into SLOTS equal slots."""
-
-    def __init__(self, slot_bytes: int):
-        self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        self.segment = Segment(name, SLOTS * self.slot_bytes, create=True)
-
-    def offset(self, index: int) -> int:
-        return (index % SLOTS) * self.slot_bytes
 
 
 class _ConsumerGone(Exception):
@@ -149,12 +86,12 @@ class ShmExtension(ServerExtension):
     def __init__(self, producer: KVProducer):
         self.producer = producer
         slot_bytes = producer.cache.max_chunk_nbytes(producer.max_chunk_bytes)
-        self._rings: list[_Ring] = []
+        self._rings: list[Ring] = []
         self._lock = threading.Lock()
         self._closed = False
 
-        def make_ring() -> _Ring:
-            ring = _Ring(slot_bytes)
+        def make_ring() -> Ring:
+            ring = Ring(slot_bytes)
             with self._lock:
                 if self._closed:
                     ring.segment.close()
@@ -163,7 +100,7 @@ class ShmExtension(ServerExtension):
                 self._rings.append(ring)
             return ring
 
-        self._pool: Pool[_Ring] = Pool(make_ring)
+        self._pool: Pool[Ring] = Pool(make_ring)
         cache = producer.cache
         # The direct variant needs every layer as plain host rows of blocks.
         self._addresses = (
@@ -171,31 +108,42 @@ class ShmExtension(ServerExtension):
             if cache.device.type == "cpu" and all(t.is_contiguous() for t in cache.tensors)
             else None
         )
+        self._peers = peers.PeerRegistry("shm") if self._addresses is not None and cma.available() else None
         atexit.register(self.close)
 
     def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
-        def pull(requests, context):
-            authorize(context)
-            yield from self._serve(requests, context)
-
         return {
-            "ShmPull": grpc.stream_stream_rpc_method_handler(
-                pull,
-                request_deserializer=pb.ShmPullRequest.FromString,
-                response_serializer=pb.ShmChunk.SerializeToString,
-            )
+            "ShmRegister": rpc.unary_unary(
+                authorize, "ShmRegister", pb.ShmRegisterRequest, pb.ShmRegisterResponse, self._register
+            ),
+            "ShmPull": rpc.stream_stream(authorize, "ShmPull", pb.ShmPullRequest, pb.ShmChunk, self._serve),
         }
 
-    def _serve(self, requests: Iterator[pb.ShmPullRequest], context) -> Iterator[pb.ShmChunk]:
+    def handshake_fields(self) -> dict[str, str]:
+        return {"shm_socket": self._peers.name} if self._peers is not None else {}
+
+    def _register(self, request: pb.ShmRegisterRequest, session, context) -> pb.ShmRegisterResponse:
+        if self._peers is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this producer serves no direct shm pulls")
+        regions = [(r.address, r.nbytes, r.row_bytes) for r in request.regions]
+        try:
+            registration = self._peers.register(request.token, request.pid, session.id, regions)
+        except peers.PeerRefused as exc:
+            self._peers.refuse(str(exc))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return pb.ShmRegisterResponse(registration=registration)
+
+    def _serve(self, requests: Iterator[pb.ShmPullRequest], session, context) -> Iterator[pb.ShmChunk]:
         first = next(requests, None)
         if first is None or not first.HasField("pull"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ShmPull must open with the pull")
         pull = first.pull
         consumed = _Consumed(requests)
-        if first.direct and self._addresses is not None:
+        if first.direct:
+            destination = self._destination(first, session, context)
             with pull_errors_abort(context):
                 try:
-                    yield from self._serve_direct(first, consumed)
+                    yield from self._serve_direct(first, destination, consumed)
                 except _ConsumerGone:
                     logger.warning("consumer left the direct shm pull of %s", pull.request_id)
             return
@@ -225,30 +173,57 @@ class ShmExtension(ServerExtension):
             except _ConsumerGone:
                 logger.warning("consumer left the shm pull of %s after %d chunks", pull.request_id, sent)
 
-    def _serve_direct(self, first: pb.ShmPullRequest, consumed: _Consumed) -> Iterator[pb.ShmChunk]:
+    def _destination(self, first: pb.ShmPullRequest, session, context) -> tuple[peers.Registration, list[int]]:
+        """The registered process and the addresses of the layers we push into it, or abort:
+        a direct pull writes only into the process that proved itself, inside what it registered."""
+        pull = first.pull
+        layers = len(self._addresses or ())
+        try:
+            if self._peers is None:
+                raise peers.PeerRefused("this producer serves no direct shm pulls")
+            registration = self._peers.lookup(first.registration, session.id, first.pid)
+            if len(registration.regions) != layers or len(first.block_ids) != len(pull.block_ids):
+                raise peers.PeerRefused(
+                    f"direct shm pull of {pull.request_id}: registration has {len(registration.regions)} "
+                    f"layers and the pull {len(first.block_ids)} destination blocks, this producer has "
+                    f"{layers} layers and the pull {len(pull.block_ids)} blocks"
+                )
+            row_bytes = self.producer.cache.block_bytes
+            if any(registration.regions[i][2] != row_bytes[i] for i in range(layers)):
+                raise peers.PeerRefused("registered regions' block sizes differ from this cache's")
+            return registration, registration.destinations(first.block_ids, range(layers // 2, layers))
+        except peers.PeerRefused as exc:
+            if self._peers is not None:
+                self._peers.refuse(str(exc))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            raise
+
+    def _serve_direct(
+        self, first: pb.ShmPullRequest, destination: tuple[peers.Registration, list[int]], consumed: _Consumed
+    ) -> Iterator[pb.ShmChunk]:
         """Hold the lease while the blocks move directly between the two caches: we push the
         upper half of the layers, the consumer reads the lower half itself."""
         pull = first.pull
         assert self._addresses is not None
+        registration, addresses = destination
         layers = len(self._addresses)
-        if len(first.layer_addresses) != layers or len(first.block_ids) != len(pull.block_ids):
-            raise HandshakeError(
-                f"direct shm pull of {pull.request_id}: consumer sent {len(first.layer_addresses)} "
-                f"layers and {len(first.block_ids)} destination blocks, this producer has {layers} "
-                f"layers and the pull {len(pull.block_ids)} blocks"
-            )
         row_bytes = self.producer.cache.block_bytes
         push_from = layers // 2
         with self.producer.leased(pull.request_id, list(pull.block_ids), pull.protocol_version, pull.layout_digest):
             yield pb.ShmChunk(pid=os.getpid(), layer_addresses=self._addresses, push_from_layer=push_from)
             pushed = layers - push_from
             local = cma.block_iovecs(self._addresses[push_from:], row_bytes[push_from:], pull.block_ids)
-            remote = cma.block_iovecs(first.layer_addresses[push_from:], row_bytes[push_from:], first.block_ids)
+            remote = cma.block_iovecs(addresses, row_bytes[push_from:], first.block_ids)
             try:
-                cma.copy(first.pid, local, remote, write=True)
+                if not registration.alive():
+                    raise KVTransferError(f"registered process {registration.pid} exited")
+                cma.copy(registration.pid, local, remote, write=True)
             except (OSError, KVTransferError) as exc:
                 logger.warning(
-                    "pushing KV of %s to pid %d failed (%s); the consumer reads it", pull.request_id, first.pid, exc
+                    "pushing KV of %s to pid %d failed (%s); the consumer reads it",
+                    pull.request_id,
+                    registration.pid,
+                    exc,
                 )
                 pushed = 0
             yield pb.ShmChunk(pushed=True, pushed_layers=pushed)
@@ -262,57 +237,10 @@ class ShmExtension(ServerExtension):
         for ring in rings:
             ring.segment.close()
             ring.segment.unlink()
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
         atexit.unregister(self.close)
-
-
-class _DirectRefused(Exception):
-    pass
-
-
-class _DirectRead:
-    """Consumer side of a direct pull: read layers [a, b) from the producer's cache into ours."""
-
-    def __init__(
-        self, note: pb.ShmChunk, layout, block_ids: Sequence[int], sink: CacheSink, rows: list[tuple[int, int]]
-    ):
-        self.row_bytes = [spec.block_bytes for spec in layout.layers]
-        if len(note.layer_addresses) != len(rows) or [r for _, r in rows] != self.row_bytes:
-            raise KVTransferError(
-                f"direct shm notice names {len(note.layer_addresses)} layers, this cache has {len(rows)}"
-            )
-        if not 0 <= note.push_from_layer <= len(rows):
-            raise KVTransferError(f"direct shm notice pushes from layer {note.push_from_layer}")
-        self.note, self.block_ids, self.sink, self.rows = note, block_ids, sink, rows
-
-    def copy(self, start: int, stop: int) -> None:
-        """Copy layers [start, stop) of our blocks out of the producer's cache."""
-        if start >= stop:
-            return
-        remote = cma.block_iovecs(self.note.layer_addresses[start:stop], self.row_bytes[start:stop], self.block_ids)
-        local = cma.block_iovecs([a for a, _ in self.rows[start:stop]], self.row_bytes[start:stop], self.sink.block_ids)
-        try:
-            cma.copy(self.note.pid, local, remote)
-        except OSError as exc:
-            if exc.errno in cma.REFUSED:
-                raise _DirectRefused(str(exc)) from exc
-            raise KVTransferError(f"direct read from pid {self.note.pid}: {exc}") from exc
-
-    def landed(self, start: int, stop: int) -> None:
-        count = len(self.block_ids)
-        for index in range(start, stop):
-            self.sink.landed(Chunk(index, 0, count, count * self.row_bytes[index]))
-
-    def read(self, start: int, stop: int) -> None:
-        self.copy(start, stop)
-        self.landed(start, stop)
-
-    def finish(self, pushed_layers: int) -> int:
-        """After the producer pushed `pushed_layers` from push_from_layer: read what is left."""
-        start = self.note.push_from_layer
-        pushed = min(pushed_layers, len(self.rows) - start)
-        self.landed(start, start + pushed)
-        self.read(start + pushed, len(self.rows))
-        return len(self.block_ids) * sum(self.row_bytes)
 
 
 class ShmClient(GrpcClient):
@@ -323,6 +251,11 @@ class ShmClient(GrpcClient):
             request_serializer=pb.ShmPullRequest.SerializeToString,
             response_deserializer=pb.ShmChunk.FromString,
         )
+        self._shm_register = self.channel.unary_unary(
+            f"/{SERVICE}/ShmRegister",
+            request_serializer=pb.ShmRegisterRequest.SerializeToString,
+            response_deserializer=pb.ShmRegisterResponse.FromString,
+        )
         self._segments: dict[str, Segment] = {}
         self._segments_lock = threading.Lock()
         self.direct = cma.available()  # until the OS refuses a direct read from this producer
@@ -330,6 +263,52 @@ class ShmClient(GrpcClient):
         # read its half while the request is still on its way (see _read_early).
         self._peer: pb.ShmChunk | None = None
         self._settling: set = set()  # direct pulls' calls still ending (set ops are atomic)
+        # Our registration for direct pushes (peers.py), on the current session only.
+        self._registration = ""
+        self._proof: socket.socket | None = None  # the peer connection it was proven on
+        self.control.on_new_session.append(self._new_session)
+
+    def _new_session(self) -> None:
+        """The producer forgot us (restarted): its registration and addresses are gone."""
+        self._forget_registration()
+        self._peer = None
+
+    def _forget_registration(self) -> None:
+        self._registration = ""
+        if self._proof is not None:
+            self._proof.close()
+            self._proof = None
+
+    def _register(self, sink: CacheSink) -> str:
+        """Prove which process we are on the producer's peer socket and register our cache
+        there (once per session); "" when the producer offers no direct pushes."""
+        if self._registration or not self.shm_socket:
+            return self._registration
+        regions = sink.host_regions()
+        assert regions is not None
+        try:
+            proof, token = peers.prove(self.shm_socket, self.settings.connect_timeout_seconds)
+        except OSError as exc:
+            raise DirectRefused(f"peer socket of {self.endpoint}: {exc}") from exc
+        request = pb.ShmRegisterRequest(
+            token=token,
+            pid=os.getpid(),
+            regions=[pb.Region(address=a, nbytes=n, row_bytes=r) for a, n, r in regions],
+        )
+        try:
+            reply = self._shm_register(
+                request,
+                metadata=self.control.metadata("ShmRegister"),
+                timeout=self.settings.connect_timeout_seconds,
+            )
+        except grpc.RpcError as exc:
+            proof.close()
+            error = translate(exc, self.endpoint, "KV shm registration")
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+                raise DirectRefused(str(error)) from None
+            raise error from None
+        self._proof, self._registration = proof, reply.registration
+        return self._registration
 
     def _attach(self, name: str, size: int) -> Segment:
         with self._segments_lock:
@@ -355,11 +334,14 @@ class ShmClient(GrpcClient):
         timeout_s: float,
     ) -> int:
         request = self.pull_request(request_id, block_ids, engine_id)
-        rows = sink.host_rows() if self.direct and isinstance(sink, CacheSink) else None
+        return self.control.call(lambda: self._pull_once(request, block_ids, sink, timeout_s))
+
+    def _pull_once(self, request: pb.PullRequest, block_ids: Sequence[int], sink: ChunkSink, timeout_s: float) -> int:
+        rows = sink.host_rows() if self.direct and self.shm_socket and isinstance(sink, CacheSink) else None
         if rows is not None:
             try:
                 return self._pull_shm(request, block_ids, sink, timeout_s, rows)
-            except _DirectRefused as exc:
+            except DirectRefused as exc:
                 self.direct = False
                 logger.warning(
                     "direct reads from %s refused (%s); using the shared-memory ring from now on",
@@ -386,7 +368,7 @@ class ShmClient(GrpcClient):
                     pull=request,
                     direct=True,
                     pid=os.getpid(),
-                    layer_addresses=[address for address, _ in rows],
+                    registration=self._register(sink),
                     block_ids=sink.block_ids,
                 )
             )
@@ -395,10 +377,10 @@ class ShmClient(GrpcClient):
             while (message := outbox.get()) is not None:
                 yield message
 
-        call = self._shm_pull(messages(), metadata=self.metadata, timeout=timeout_s)
+        call = self._shm_pull(messages(), metadata=self.control.metadata("ShmPull"), timeout=timeout_s)
         received = consumed = 0
         segment: Segment | None = None
-        direct: _DirectRead | None = None
+        direct: DirectRead | None = None
         try:
             early = self._read_early(block_ids, sink, rows) if rows is not None else None
             for note in call:
@@ -416,7 +398,7 @@ class ShmClient(GrpcClient):
                             direct = early  # our half is in; the notice says it was leased
                             direct.landed(0, note.push_from_layer)
                         else:
-                            direct = _DirectRead(note, self._remote_layout, block_ids, sink, rows)
+                            direct = DirectRead(note, self._remote_layout, block_ids, sink, rows)
                             direct.read(0, note.push_from_layer)
                     else:
                         received += direct.finish(note.pushed_layers)
@@ -435,6 +417,9 @@ class ShmClient(GrpcClient):
                 consumed += 1
                 outbox.put(pb.ShmPullRequest(consumed=consumed))
         except grpc.RpcError as exc:
+            if rows is not None and exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                self._forget_registration()
+                raise DirectRefused(exc.details()) from None
             raise translate(exc, self.endpoint, f"KV shm pull of {request.request_id}") from None
         except BaseException:
             call.cancel()
@@ -448,7 +433,7 @@ class ShmClient(GrpcClient):
         self._settling.add(call)
         call.add_done_callback(self._settling.discard)
 
-    def _read_early(self, block_ids: Sequence[int], sink: ChunkSink, rows: list[tuple[int, int]]) -> _DirectRead | None:
+    def _read_early(self, block_ids: Sequence[int], sink: ChunkSink, rows: list[tuple[int, int]]) -> DirectRead | None:
         """Copy our half of the layers before the producer's notice arrives; None if we cannot.
 
         Safe because blocks are only ever freed after their lease is released or expired, and a
@@ -461,10 +446,10 @@ class ShmClient(GrpcClient):
         if self._peer is None:
             return None
         assert isinstance(sink, CacheSink) and self._remote_layout is not None
-        reader = _DirectRead(self._peer, self._remote_layout, block_ids, sink, rows)
+        reader = DirectRead(self._peer, self._remote_layout, block_ids, sink, rows)
         try:
             reader.copy(0, self._peer.push_from_layer)
-        except (_DirectRefused, KVTransferError) as exc:
+        except (DirectRefused, KVTransferError) as exc:
             logger.info("early read from %s failed (%s); reading after the notice", self.endpoint, exc)
             self._peer = None
             return None
@@ -475,6 +460,7 @@ class ShmClient(GrpcClient):
             segments, self._segments = list(self._segments.values()), {}
         for segment in segments:
             segment.close()
+        self._forget_registration()
         super().close()
 
 

@@ -1,0 +1,201 @@
+"""Which local process a direct shm consumer is, proven by the kernel, and what it registered.
+
+The shm backend's direct variant has the producer write KV into the consumer's memory
+(process_vm_writev). It must write only into the process that asked, and only into the cache
+that process registered. The proof: the producer listens on an abstract Unix socket (named in
+the handshake); a consumer connects, and the kernel tells the producer the connecting process's
+pid and uid (SO_PEERCRED), which no peer can forge. The producer answers a random token bound to
+that pid and keeps the connection; the consumer then registers its cache regions with the token
+over its authenticated gRPC session (ShmRegister). A registration belongs to that session, ends
+when the connection closes (the consumer exited) and holds a pidfd of the process, so a write
+never goes to a process that exited (nor to one that reused its pid).
+
+Anything else (an unknown token or registration, another pid, blocks outside the regions, a
+process of another user) is refused and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdcluster.logs import WarnOnce
+
+logger = logging.getLogger(__name__)
+
+MAX_PEERS = 256
+
+
+class PeerRefused(Exception):
+    pass
+
+
+@dataclass
+class Registration:
+    id: str
+    token: str  # of the peer connection it was proven on
+    session: str  # the gRPC session that registered it
+    pid: int
+    pidfd: int
+    regions: tuple[tuple[int, int, int], ...]  # per layer: (address, bytes, bytes per block)
+
+    def alive(self) -> bool:
+        """False once the registered process exited (its pidfd became readable)."""
+        ready, _, _ = select.select([self.pidfd], [], [], 0)
+        return not ready
+
+    def destinations(self, block_ids: Sequence[int], layers: range) -> list[int]:
+        """Addresses of layer `layers` in the registered regions (refused if a block is outside)."""
+        top = max(block_ids, default=-1)
+        out = []
+        for index in layers:
+            address, nbytes, row = self.regions[index]
+            if (top + 1) * row > nbytes:
+                raise PeerRefused(f"block {top} lies outside registered region {index} ({nbytes} bytes)")
+            out.append(address)
+        return out
+
+
+class PeerRegistry:
+    """The producer's Unix socket and the registrations of the processes that proved themselves."""
+
+    def __init__(self, name_hint: str):
+        self.name = f"pdcluster-kv-{os.getpid()}-{secrets.token_hex(8)}-{name_hint}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind("\0" + self.name)  # abstract: no file to leak or clean up
+        self._listener.listen(64)
+        self._tokens: dict[str, tuple[int, socket.socket]] = {}  # token -> (pid, connection)
+        self._registrations: dict[str, Registration] = {}
+        self._lock = threading.Lock()
+        self._warn = WarnOnce(logger)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="kv-shm-peers", daemon=True)
+        self._thread.start()
+
+    # -- the socket: a thread accepts, answers tokens, and notices closed connections --------
+
+    def _serve(self) -> None:
+        connections: list[socket.socket] = []
+        while not self._closed:
+            try:
+                readable, _, _ = select.select([self._listener, *connections], [], [], 0.5)
+            except (OSError, ValueError):
+                break  # closed under us
+            for sock in readable:
+                if sock is self._listener:
+                    conn = self._accept()
+                    if conn is not None:
+                        connections.append(conn)
+                    continue
+                try:
+                    data = sock.recv(64)
+                except OSError:
+                    data = b""
+                if not data:  # the consumer closed it (or exited): its registration ends
+                    connections.remove(sock)
+                    self._forget(sock)
+        for sock in connections:
+            sock.close()
+
+    def _accept(self) -> socket.socket | None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return None
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _ = struct.unpack("3i", creds)
+        with self._lock:
+            full = len(self._tokens) >= MAX_PEERS
+        if uid != os.getuid() or pid <= 0 or full:
+            self.refuse(f"peer pid {pid} uid {uid} (this producer's uid {os.getuid()}, {MAX_PEERS} peers at most)")
+            conn.close()
+            return None
+        token = secrets.token_hex(16)
+        with self._lock:
+            self._tokens[token] = (pid, conn)
+        try:
+            conn.sendall(token.encode() + b"\n")
+        except OSError:
+            self._forget(conn)
+            conn.close()
+            return None
+        return conn
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            for token in [t for t, (_, c) in self._tokens.items() if c is conn]:
+                del self._tokens[token]
+                for rid in [r for r, reg in self._registrations.items() if reg.token == token]:
+                    os.close(self._registrations.pop(rid).pidfd)
+        conn.close()
+
+    # -- registrations ---------------------------------------------------------------------
+
+    def register(self, token: str, pid: int, session: str, regions: Sequence[tuple[int, int, int]]) -> str:
+        with self._lock:
+            entry = self._tokens.get(token)
+        if entry is None or entry[0] != pid:
+            raise PeerRefused(f"registration for pid {pid} without that process's token")
+        if not regions or any(n <= 0 or row <= 0 for _, n, row in regions):
+            raise PeerRefused("registration names no (or empty) regions")
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            raise PeerRefused(f"pid {pid}: {exc}") from None
+        registration = Registration(secrets.token_hex(16), token, session, pid, pidfd, tuple(regions))
+        with self._lock:
+            if token not in self._tokens:  # the connection closed meanwhile
+                os.close(pidfd)
+                raise PeerRefused(f"pid {pid} disconnected while registering")
+            self._registrations[registration.id] = registration
+        return registration.id
+
+    def lookup(self, registration_id: str, session: str, pid: int) -> Registration:
+        with self._lock:
+            registration = self._registrations.get(registration_id)
+        if registration is None or registration.session != session:
+            raise PeerRefused("unknown shm registration (or another session's)")
+        if registration.pid != pid:
+            raise PeerRefused(f"direct pull names pid {pid}, its registration pid {registration.pid}")
+        if not registration.alive():
+            raise PeerRefused(f"registered process {registration.pid} exited")
+        return registration
+
+    def refuse(self, reason: str) -> None:
+        """Log a refusal once per reason."""
+        self._warn(reason, "refused direct shm peer: %s", reason)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self._thread.join(timeout=2)
+        with self._lock:
+            for registration in self._registrations.values():
+                os.close(registration.pidfd)
+            self._registrations.clear()
+            self._tokens.clear()
+
+
+def prove(name: str, timeout_s: float) -> tuple[socket.socket, str]:
+    """Consumer: connect to a producer's peer socket; (the connection to keep open, the token)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect("\0" + name)
+        data = b""
+        while not data.endswith(b"\n"):
+            part = sock.recv(64)
+            if not part:
+                raise OSError("the producer closed its peer socket")
+            data += part
+    except OSError:
+        sock.close()
+        raise
+    return sock, data.decode().strip()

@@ -1,0 +1,82 @@
+"""POSIX shared-memory segments for the shm backend's ring (files under /dev/shm, mode 0600).
+
+A producer creates a segment per ring (O_EXCL: it never adopts a file someone else made) and
+unlinks it when its server stops; a consumer maps a segment it was told of, read-only. Names are
+random and only ever sent in reply to an authenticated call.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+from pdcluster.errors import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "pdcluster-kv-"
+_NAME = re.compile(r"pdcluster-kv-[0-9]+-[0-9a-f]{16}")
+SLOTS = 4  # chunks in flight per pull (4 MiB each by default)
+_PAGE = mmap.PAGESIZE
+
+
+class Segment:
+    """A mapped POSIX shared-memory segment (a file under /dev/shm)."""
+
+    def __init__(self, name: str, size: int, *, create: bool):
+        if not _NAME.fullmatch(name):
+            raise KVTransferError(f"refusing shared-memory segment name {name!r}")
+        self.name = name
+        self.size = size
+        self.path = SHM_DIR / name
+        if create:
+            # O_EXCL: never adopt a file someone else made; 0600: only this user may map it.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        else:
+            fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise KVTransferError(
+                    f"shared-memory segment {name} has {os.fstat(fd).st_size} bytes, the producer announced {size}"
+                )
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        except BaseException:
+            if create:
+                os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            logger.warning("shared-memory segment %s still has views; left mapped", self.name)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            return
+
+
+class Ring:
+    """A producer's segment cut into SLOTS equal slots."""
+
+    def __init__(self, slot_bytes: int):
+        self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.segment = Segment(name, SLOTS * self.slot_bytes, create=True)
+
+    def offset(self, index: int) -> int:
+        return (index % SLOTS) * self.slot_bytes

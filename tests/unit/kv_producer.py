@@ -1,0 +1,85 @@
+"""A producer in another process for the transport tests: a seeded cache with leased requests,
+served over one control server that offers every backend."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.settings import KVTransferSettings
+from pdcluster.kv_transfer.staging import BlockScatterer
+from pdcluster.kv_transfer.transports import create_transport, serve_backends
+from pdcluster.kv_transfer.transports.base import CacheSink
+from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
+from tests.unit.kv_fixtures import make_cache
+
+SECRET = "fast-transport-secret"
+CHUNK = 4096  # small chunks: many per pull, so the ring wraps and sends pipeline
+REQUESTS = {"req-a": [3, 9, 10, 11, 60], "req-b": list(range(20, 40)), "req-c": [1, 2]}
+
+
+def settings(**overrides) -> KVTransferSettings:
+    return KVTransferSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_seconds=20, **overrides)
+
+
+def producer_main(conn) -> None:
+    cache = make_cache(seed=7)
+    producer = KVProducer(cache, "prefill-0", max_chunk_bytes=CHUNK, lease_wait_s=0.5)
+    for request_id, ids in REQUESTS.items():
+        producer.leases.add(request_id, ids, time.monotonic() + 600)
+    server = serve_backends(["grpc", "shm", "collective"], settings(), producer, "127.0.0.1", 0)
+    conn.send(server.address)
+    while (command := conn.recv()) != "stop":
+        if command == "segments":
+            conn.send(sorted(p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*")))
+        elif command == "released":
+            conn.send(sorted(lease.request_id for lease in producer.leases.collect_finished()))
+    server.stop(0)
+    conn.send(os.getpid())
+
+
+@contextlib.contextmanager
+def running_producer() -> Iterator[tuple[str, object]]:
+    """(the producer's address, a pipe to ask it "segments" or "released")."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=producer_main, args=(child,))
+    proc.start()
+    try:
+        yield parent.recv(), parent
+    finally:
+        parent.send("stop")
+        pid = parent.recv()
+        proc.join(30)
+        # Every segment is unlinked when the server stops.
+        assert not list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{pid}-*"))
+
+
+def assert_copied(consumer, request_id, dst_ids) -> None:
+    source = make_cache(seed=7)
+    for src, dst in zip(source.tensors, consumer.tensors):
+        assert torch.equal(dst[dst_ids], src[REQUESTS[request_id]])
+
+
+def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool):
+    """A consumer cache with REQUESTS[request_id] pulled into dst_ids, and the bytes received."""
+    consumer = make_cache(fill="zeros")
+    client = create_transport(backend, settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin(dst_ids)
+        # A plain callable sink never offers the cache for direct copies: the shm ring is used.
+        sink = CacheSink(scatterer) if direct else scatterer.write
+        nbytes = client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=20)
+        # A release of a lease nobody holds (answered False): every control call gets exercised.
+        assert not client.release(request_id + "-unheld", transferred=False, engine_id="decode-0", timeout_s=5)
+    finally:
+        client.close()
+    return consumer, nbytes
