@@ -12,14 +12,18 @@ router does: prefill with max_tokens=1 and do_remote_decode, then decode with th
 from __future__ import annotations
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.engines import MAX_MODEL_LEN, run_engines, tiny_engine
+from pdcluster.keys import KV_PARAMS, derive_key, engine_http_token
+from pdcluster.kv_transfer.params import KVParams
+from tests.support.engines import MAX_MODEL_LEN, assert_engine_key_required, run_engines, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, compare, identity_fields
 from tests.support.prompts import token_prompt
 
@@ -190,13 +194,16 @@ def test_corrupt_kv_fails_the_identity_check(engines):
     the float32 bound at once, whatever tokens it happens to pick. (Swapping two blocks would not
     do: keys carry their rotary positions, and attention over a set of keys ignores which slot
     holds which. No other test's prompt starts where this one does, so decode's prefix cache
-    never serves these blocks to another.)"""
+    never serves these blocks to another.) The altered params are signed again with the cluster's
+    key, as a faulty producer of this cluster would hand them out: unsigned, decode would not pull
+    them at all."""
     prompt = token_prompt(3 * BLOCK + 20, offset=7919)
     expected = greedy(complete(engines["agg"], prompt, 8))
     first = complete(engines["prefill"], prompt, 1, kv_transfer_params={"do_remote_decode": True})
-    params = first.json()["kv_transfer_params"]
-    blocks = params["remote_block_ids"]
-    params["remote_block_ids"] = [blocks[0], blocks[0], *blocks[2:]]
+    lease = KVParams.from_dict(first.json()["kv_transfer_params"])
+    blocks = lease.remote_block_ids
+    lease = replace(lease, remote_block_ids=(blocks[0], blocks[0], *blocks[2:]))
+    params = lease.signed(derive_key(engines["decode"].secret, KV_PARAMS)).to_dict()
     corrupt = greedy(complete(engines["decode"], prompt, 8, kv_transfer_params=params))
     verdict = compare(expected, corrupt)
     with pytest.raises(AssertionError, match="drift|not a near-tie"):
@@ -248,6 +255,41 @@ def test_layout_mismatch_fails_request_with_naming_error(engines):
     assert "KV layout mismatch on block_size" in log
     assert "has 128" in log and "has 64" in log
     # The producer's blocks are released all the same.
+    wait_for(lambda: info(engines["prefill"])["stats"]["kv_cache_usage"] == 0.0, 30, "P blocks freed")
+
+
+# -- security: engine ports take only the cluster's requests; decode dials only what P signed --
+
+
+@pytest.mark.parametrize("name", ["agg", "prefill", "decode"])
+def test_every_engine_port_requires_the_engine_key(engines, name):
+    engine = engines[name]
+    assert_engine_key_required(engine.url, engine.headers)
+
+
+def test_forged_params_dial_nothing_and_are_recomputed_or_refused(engines):
+    """Params a prefill signed, pointed at another endpoint (or stripped of the signature), make
+    decode dial nothing: recomputed under `recompute`, a 502 naming why under `fail`."""
+    prompt = token_prompt(3 * BLOCK + 5, offset=909)
+    expected = greedy(complete(engines["agg"], prompt, 6))
+    first = complete(engines["prefill"], prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    real = first.json()["kv_transfer_params"]
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(16)
+        trap.setblocking(False)
+        forged = {**real, "remote_endpoints": [f"127.0.0.1:{trap.getsockname()[1]}"]}
+        unsigned = {key: value for key, value in real.items() if key != "remote_signature"}
+        recomputed = complete(engines["decode"], prompt, 6, kv_transfer_params=forged)
+        refused = complete(engines["decode-mismatch"], prompt, 6, kv_transfer_params=unsigned)
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody dialed the endpoint the forged params named
+    assert_same(expected, recomputed)
+    assert refused.status_code == 502, refused.text
+    assert "not signed by a prefill of this cluster" in refused.json()["error"]["message"]
+    # The real lease is untouched by either: its own decode still pulls it.
+    response = complete(engines["decode"], prompt, 6, kv_transfer_params=real)
+    assert_same(expected, response)
     wait_for(lambda: info(engines["prefill"])["stats"]["kv_cache_usage"] == 0.0, 30, "P blocks freed")
 
 
@@ -320,7 +362,8 @@ def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engi
     ]
 
     async def scenario():
-        router = Router(RouterSettings(model_name=NAME, policy="round_robin"))
+        token = engine_http_token(engines["decode"].secret)
+        router = Router(RouterSettings(model_name=NAME, policy="round_robin", engine_token=token))
         router.update_replicas(rows)
         url = await router.start("127.0.0.1", 0)
         texts = []

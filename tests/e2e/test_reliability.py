@@ -23,15 +23,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdcluster.keys import ENGINE_HTTP, KV_AUTH, KV_PARAMS, derive_key, engine_http_token
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
+from pdcluster.kv_transfer.transports.rpc import SERVICE
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.support.cluster import cli, cluster_up, write_config
+from tests.support.engines import assert_engine_key_required
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
 
 NAME = "tiny"
 SECRET = "reliability-secret-7f3a9c"
+ENGINE_HEADERS = {"Authorization": f"Bearer {engine_http_token(SECRET)}"}  # what the router sends engines
 LEASE_S = 8
 
 
@@ -177,7 +181,7 @@ def test_killed_decode_ends_its_streams_with_an_error_and_is_replaced(cluster, c
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(long_stream, i) for i in range(6)]
         deadline = time.monotonic() + 120
-        with httpx.Client(timeout=30) as http:
+        with httpx.Client(timeout=30, headers=ENGINE_HEADERS) as http:
             while http.get(victim_url + "/pdcluster/info").json()["stats"].get("running", 0) == 0:
                 assert time.monotonic() < deadline, "no request reached the victim"
                 time.sleep(0.05)  # poll interval
@@ -341,7 +345,8 @@ def _prefill_params(cluster) -> dict:
         "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True},
     }
-    return httpx.post(prefill_url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    response = httpx.post(prefill_url + "/v1/completions", json=body, headers=ENGINE_HEADERS, timeout=60)
+    return response.json()["kv_transfer_params"]
 
 
 def test_kv_endpoint_refuses_raw_client_without_secret(cluster):
@@ -350,7 +355,7 @@ def test_kv_endpoint_refuses_raw_client_without_secret(cluster):
     assert endpoint.startswith("127.0.0.1:")
     with grpc.insecure_channel(endpoint) as channel:
         pull = channel.unary_stream(
-            "/pdcluster.kv.v1.KVTransfer/Pull",
+            f"/{SERVICE}/Pull",
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=pb.KVChunk.FromString,
         )
@@ -391,14 +396,26 @@ def test_internal_ports_bind_to_the_configured_address(cluster):
         assert addresses and addresses <= loopback, (port, addresses)
 
 
+def test_every_replica_port_requires_the_engine_key(cluster):
+    replicas = [r for r in cluster.status()["replicas"] if r["state"] == "ready"]
+    assert {r["role"] for r in replicas} == {"prefill", "decode"}
+    for replica in replicas:
+        assert_engine_key_required(replica["url"], ENGINE_HEADERS)
+
+
 def test_no_secret_in_status_or_logs(cluster):
-    assert SECRET not in cli(cluster.home, "status", "--json", "--name", cluster.name).stdout
-    assert SECRET not in cli(cluster.home, "status", "--name", cluster.name).stdout
+    keys = [derive_key(SECRET, purpose) for purpose in (KV_AUTH, KV_PARAMS, ENGINE_HTTP)]
+    forbidden = [SECRET, *(key.hex() for key in keys)]
+    for leaked in forbidden:
+        assert leaked not in cli(cluster.home, "status", "--json", "--name", cluster.name).stdout
+        assert leaked not in cli(cluster.home, "status", "--name", cluster.name).stdout
     logs = list(Path("/tmp/ray/session_latest/logs").glob("*")) + list((cluster.home / "logs").glob("*"))
     assert logs
     for path in logs:
         if path.is_file():
-            assert SECRET.encode() not in path.read_bytes(), path
+            content = path.read_bytes()
+            for leaked in forbidden:
+                assert leaked.encode() not in content, path
 
 
 def test_api_metrics_count_outcomes(cluster):
