@@ -22,6 +22,7 @@ from pdcluster.errors import ConfigError
 Backend = Literal["auto", "grpc", "shm", "collective"]
 EPHEMERAL_PORTS = (0, 0)
 MAX_CHUNK_LIMIT = 256 << 20  # gRPC messages carry a chunk; grpcio refuses sizes near 2 GiB
+DAY = 86400.0  # bound of every duration: timedelta and gRPC deadlines overflow far beyond it
 
 
 class _Section(BaseModel):
@@ -35,9 +36,14 @@ class FaultInjection(_Section):
         0.0, ge=0, le=1, description="Fail this share of KV pulls (after their first chunk)."
     )
     drop_release_rate: float = Field(0.0, ge=0, le=1, description="Never release this share of leases.")
-    pull_delay_s: float = Field(0.0, ge=0, description="Decode: stall each pull this long.")
-    serve_delay_s: float = Field(0.0, ge=0, description="Prefill: stall before serving a pull (pull timeouts) ...")
+    pull_delay_s: float = Field(0.0, ge=0, le=3600, description="Decode: stall each pull this long.")
+    serve_delay_s: float = Field(
+        0.0, ge=0, le=3600, description="Prefill: stall before serving a pull (pull timeouts) ..."
+    )
     serve_delay_rate: float = Field(1.0, ge=0, le=1, description="... for this share of pulls.")
+    push_delay_s: float = Field(
+        0.0, ge=0, le=3600, description="Prefill: stall each direct shm push this long, mid-pull (fences)."
+    )
     unreachable_rate: float = Field(0.0, ge=0, le=1, description="Decode: dial a closed port instead of the prefill.")
     seed: int = Field(0, description="Seed of the fault dice.")
 
@@ -95,13 +101,13 @@ class KVTransferSettings(_Section):
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="What decode does when a pull fails: recompute, or fail the request."
     )
-    lease_seconds: float = Field(30, gt=0, description="Prefill frees unclaimed KV after this long.")
-    pull_timeout_seconds: float = Field(30, gt=0, description="Deadline of one KV pull.")
-    release_timeout_seconds: float = Field(5, gt=0, description="Deadline of one lease release message.")
+    lease_seconds: float = Field(30, gt=0, le=DAY, description="Prefill frees unclaimed KV after this long.")
+    pull_timeout_seconds: float = Field(30, gt=0, le=DAY, description="Deadline of one KV pull.")
+    release_timeout_seconds: float = Field(5, gt=0, le=DAY, description="Deadline of one lease release message.")
     lease_wait_seconds: float = Field(
-        10, ge=0, description="Prefill: how long a pull may wait for its lease to be registered."
+        10, ge=0, le=DAY, description="Prefill: how long a pull may wait for its lease to be registered."
     )
-    connect_timeout_seconds: float = Field(5, gt=0, description="Deadline of connecting to a KV server.")
+    connect_timeout_seconds: float = Field(5, gt=0, le=DAY, description="Deadline of connecting to a KV server.")
     max_chunk_bytes: int = Field(4 << 20, ge=4096, le=MAX_CHUNK_LIMIT, description="Largest KV message.")
     pull_threads: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
     server_threads: int = Field(8, ge=1, le=256, description="Threads of each prefill's KV server.")

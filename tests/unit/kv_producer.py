@@ -11,12 +11,14 @@ from collections.abc import Iterator
 
 import torch
 
+from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
+from pdcluster.kv_transfer.transports.shm_server import ShmExtension
 from tests.unit.kv_fixtures import make_cache
 
 SECRET = "fast-transport-secret"
@@ -28,28 +30,35 @@ def settings(**overrides) -> KVTransferSettings:
     return KVTransferSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_seconds=20, **overrides)
 
 
-def producer_main(conn) -> None:
+def producer_main(conn, overrides: dict) -> None:
     cache = make_cache(seed=7)
-    producer = KVProducer(cache, "prefill-0", max_chunk_bytes=CHUNK, lease_wait_s=0.5)
+    served = settings(**overrides)
+    producer = KVProducer(
+        cache, "prefill-0", max_chunk_bytes=CHUNK, lease_wait_s=0.5, faults=FaultInjector(served.fault_injection)
+    )
     for request_id, ids in REQUESTS.items():
         producer.leases.add(request_id, ids, time.monotonic() + 600)
-    server = serve_backends(["grpc", "shm", "collective"], settings(), producer, "127.0.0.1", 0)
+    server = serve_backends(["grpc", "shm", "collective"], served, producer, "127.0.0.1", 0)
+    (shm,) = [e for e in server._extensions if isinstance(e, ShmExtension)]
     conn.send(server.address)
     while (command := conn.recv()) != "stop":
         if command == "segments":
             conn.send(sorted(p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*")))
         elif command == "released":
             conn.send(sorted(lease.request_id for lease in producer.leases.collect_finished()))
+        elif command == "pushes":  # (direct pushes running, monotonic end of the last one)
+            conn.send((shm.pushing, shm.last_push_end))
     server.stop(0)
     conn.send(os.getpid())
 
 
 @contextlib.contextmanager
-def running_producer() -> Iterator[tuple[str, object]]:
-    """(the producer's address, a pipe to ask it "segments" or "released")."""
+def running_producer(**overrides) -> Iterator[tuple[str, object]]:
+    """(the producer's address, a pipe to ask it "segments", "released" or "pushes"); `overrides`:
+    its KV settings (fault injection)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child,))
+    proc = ctx.Process(target=producer_main, args=(child, overrides))
     proc.start()
     try:
         yield parent.recv(), parent

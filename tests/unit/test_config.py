@@ -206,3 +206,18 @@ def test_a_bad_credential_is_named_but_never_echoed():
         with pytest.raises(ConfigError) as info:
             validate_config({**BASE, **section})
         assert "987654321" not in str(info.value) and "valid string" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_chunk_bytes", 1 << 31),  # grpcio refuses messages near 2 GiB
+        ("pull_timeout_seconds", 1e12),  # timedelta overflows (collective pairs' timeout)
+        ("lease_seconds", 1e12),
+        ("connect_timeout_seconds", float("inf")),
+        ("lease_wait_seconds", 1e12),
+    ],
+)
+def test_values_a_library_would_overflow_on_are_config_errors(field, value):
+    with pytest.raises(ConfigError, match=f"kv_transfer.{field}"):
+        validate_config({**BASE, "kv_transfer": {field: value}})

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdcluster.errors import AuthenticationError, LeaseNotFoundError
+from pdcluster.errors import AuthenticationError, KVTransferError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
@@ -108,6 +108,73 @@ def test_collective_pulls_from_threads_are_serialized_per_pair(producer_process)
         client.close()
     for request_id, dst_ids in plans.items():
         assert_copied(consumer, request_id, dst_ids)
+
+
+def test_collective_pulls_of_different_consumers_at_once_each_get_their_own_bytes(producer_process):
+    """Two consumers (two pairs) pull different requests from one producer at the same time, many
+    chunks each: each pull's chunks travel through buffers of its own (a producer that gathered
+    every pair's chunks into one pair of buffers sent one request's KV to the other consumer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    address, _ = producer_process
+    plans = {"req-a": [40, 41, 42, 43, 44], "req-b": list(range(0, 20))}
+    clients = {}
+    for request_id in plans:
+        clients[request_id] = create_transport("collective", settings()).connect(address)
+        clients[request_id].handshake(make_cache().layout, f"decode-{request_id}")
+
+    def rounds(request_id):
+        consumer = make_cache(fill="zeros")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        for _ in range(12):
+            consumer.tensors[0].zero_()
+            scatterer.begin(plans[request_id])
+            clients[request_id].pull(
+                request_id, REQUESTS[request_id], scatterer.write, engine_id=f"decode-{request_id}", timeout_s=20
+            )
+            assert_copied(consumer, request_id, plans[request_id])
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(rounds, plans))
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def slow_pusher():
+    """A producer whose direct pushes stall mid-pull (after its notice, before its write)."""
+    with running_producer(fault_injection={"push_delay_s": 1.0}) as producer:
+        yield producer
+
+
+@pytest.mark.parametrize("failure", ["consumer error", "deadline"])
+def test_a_direct_pull_failing_mid_push_is_reported_only_after_the_push_ended(slow_pusher, failure):
+    """vLLM hands a failed pull's blocks to another request: the consumer must not report the
+    failure while the producer may still write into them. Whether the consumer's own half fails
+    or its deadline passes, pull() raises only after the producer's write window closed."""
+    address, conn = slow_pusher
+    consumer = make_cache(fill="zeros")
+    client = create_transport("shm", settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin([0, 1])
+
+        def fail(chunk):
+            raise KVTransferError("the consumer's half failed")
+
+        sink = CacheSink(scatterer, fail if failure == "consumer error" else None)
+        timeout_s = 20 if failure == "consumer error" else 0.3
+        with pytest.raises(KVTransferError):
+            client.pull("req-c", REQUESTS["req-c"], sink, engine_id="decode-0", timeout_s=timeout_s)
+        raised_at = time.monotonic()
+    finally:
+        client.close()
+    conn.send("pushes")
+    running, window_closed = conn.recv()
+    assert running == 0 and 0 < window_closed <= raised_at
 
 
 @pytest.mark.parametrize("backend", ["shm", "collective"])

@@ -46,7 +46,7 @@ from pdcluster.errors import HandshakeError, KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk, PagedKVCache, chunk_plan
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
-from pdcluster.kv_transfer.staging import DeviceContext, gather_blocks
+from pdcluster.kv_transfer.staging import DeviceContext, Pool, gather_blocks
 from pdcluster.kv_transfer.transports import rpc
 from pdcluster.kv_transfer.transports.base import (
     Authorize,
@@ -177,7 +177,8 @@ class CollectiveExtension(ServerExtension):
         self._pairs: OrderedDict[str, _Pair] = OrderedDict()
         self._lock = threading.Lock()
         self._opener = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-collective")
-        self._buffers = _Buffers(self.device)
+        # Pulls on different pairs run at once: each borrows its own two chunk buffers.
+        self._buffers: Pool[_Buffers] = Pool(lambda: _Buffers(self.device))
         self._timeout = timedelta(seconds=settings.pull_timeout_seconds)
 
     def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
@@ -250,7 +251,7 @@ class CollectiveExtension(ServerExtension):
             context.abort(grpc.StatusCode.ABORTED, f"collective rendezvous failed: {exc}")
         pull = request.pull
         block_ids = list(pull.block_ids)
-        with pair.lock, pull_errors_abort(context):
+        with pair.lock, self._buffers.get() as buffers, pull_errors_abort(context):
             try:
                 with self.producer.leased(
                     pull.request_id, block_ids, pull.protocol_version, pull.layout_digest
@@ -265,7 +266,7 @@ class CollectiveExtension(ServerExtension):
                         plan,
                         lease.ready_event,
                         request.tag,
-                        self._buffers,
+                        buffers,
                     )
                     self.producer.bytes_sent += sent
                 yield pb.CollectiveProgress(bytes_sent=sent, done=True)

@@ -199,3 +199,18 @@ def prove(name: str, timeout_s: float) -> tuple[socket.socket, str]:
         sock.close()
         raise
     return sock, data.decode().strip()
+
+
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    """Wait up to timeout_s for process `pid` to exit; True once it has (or never existed)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(pidfd)

@@ -1,6 +1,7 @@
 """Shared-memory backend (same host): gRPC carries control only, KV bytes move through /dev/shm.
 
-Producer: `ShmExtension` adds the bidirectional `ShmPull` RPC to the control server. A pull
+Producer (shm_server.py): `ShmExtension` adds the bidirectional `ShmPull` RPC to the control
+server. A pull
 borrows a ring (one POSIX shm segment, mode 0600, of `SLOTS` chunk-sized slots) from a pool; the
 producer gathers chunk i straight from its cache into slot i % SLOTS and streams a `ShmChunk`
 saying where it lies. Before it overwrites a slot it waits until the consumer reported
@@ -20,12 +21,14 @@ addresses and then writes the upper half of the layers into the consumer's regis
 while the consumer reads the lower half from the producer's: one copy per byte, on two cores. From the
 second pull on, the consumer knows the producer's addresses and copies its half while the request
 is still on its way (`_read_early`), and it returns once every byte is in, leaving the call to end
-in the background. Where the OS refuses (EPERM), the client falls back to the ring for good.
+in the background. Where the OS refuses (EPERM), the client falls back to the ring for good. A
+direct pull that fails before the producer said its writes are done is reported only once the
+producer's call has ended (`_fence`): vLLM would otherwise hand the blocks to another request
+while the producer still writes into them.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import queue
@@ -35,17 +38,13 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from pdcluster.errors import KVTransferError
-from pdcluster.kv_transfer.kv_cache import Chunk
+from pdcluster.errors import KVTransferError, TransferTimeoutError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
-from pdcluster.kv_transfer.staging import Pool
-from pdcluster.kv_transfer.transports import cma, peers, rpc
+from pdcluster.kv_transfer.transports import cma, peers
 from pdcluster.kv_transfer.transports.base import (
-    Authorize,
     CacheSink,
     ChunkSink,
-    ServerExtension,
     Transport,
     TransportClient,
 )
@@ -53,194 +52,13 @@ from pdcluster.kv_transfer.transports.direct import DirectRead, DirectRefused
 from pdcluster.kv_transfer.transports.grpc_transport import (
     SERVICE,
     GrpcClient,
-    pull_errors_abort,
-    stream_pull,
     translate,
 )
-from pdcluster.kv_transfer.transports.segments import SLOTS, Ring, Segment
+from pdcluster.kv_transfer.transports.segments import Segment
+from pdcluster.kv_transfer.transports.shm_server import ShmExtension
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
-
-
-class _ConsumerGone(Exception):
-    pass
-
-
-class _Consumed:
-    """How many chunks the consumer has copied out, read from its side of the ShmPull stream."""
-
-    def __init__(self, requests: Iterator[pb.ShmPullRequest]):
-        self._requests = requests
-        self.count = 0
-
-    def wait_for(self, count: int) -> None:
-        while self.count < count:
-            message = next(self._requests, None)
-            if message is None:
-                raise _ConsumerGone
-            self.count = max(self.count, message.consumed)
-
-
-class ShmExtension(ServerExtension):
-    def __init__(self, producer: KVProducer):
-        self.producer = producer
-        slot_bytes = producer.cache.max_chunk_nbytes(producer.max_chunk_bytes)
-        self._rings: list[Ring] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-        def make_ring() -> Ring:
-            ring = Ring(slot_bytes)
-            with self._lock:
-                if self._closed:
-                    ring.segment.close()
-                    ring.segment.unlink()
-                    raise KVTransferError("KV server is stopping")
-                self._rings.append(ring)
-            return ring
-
-        self._pool: Pool[Ring] = Pool(make_ring)
-        cache = producer.cache
-        # The direct variant needs every layer as plain host rows of blocks.
-        self._addresses = (
-            [t.data_ptr() for t in cache.tensors]
-            if cache.device.type == "cpu" and all(t.is_contiguous() for t in cache.tensors)
-            else None
-        )
-        self._peers = peers.PeerRegistry("shm") if self._addresses is not None and cma.available() else None
-        atexit.register(self.close)
-
-    def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
-        return {
-            "ShmRegister": rpc.unary_unary(
-                authorize, "ShmRegister", pb.ShmRegisterRequest, pb.ShmRegisterResponse, self._register
-            ),
-            "ShmPull": rpc.stream_stream(authorize, "ShmPull", pb.ShmPullRequest, pb.ShmChunk, self._serve),
-        }
-
-    def handshake_fields(self) -> dict[str, str]:
-        return {"shm_socket": self._peers.name} if self._peers is not None else {}
-
-    def _register(self, request: pb.ShmRegisterRequest, session, context) -> pb.ShmRegisterResponse:
-        if self._peers is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this producer serves no direct shm pulls")
-        regions = [(r.address, r.nbytes, r.row_bytes) for r in request.regions]
-        try:
-            registration = self._peers.register(request.token, request.pid, session.id, regions)
-        except peers.PeerRefused as exc:
-            self._peers.refuse(str(exc))
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        return pb.ShmRegisterResponse(registration=registration)
-
-    def _serve(self, requests: Iterator[pb.ShmPullRequest], session, context) -> Iterator[pb.ShmChunk]:
-        first = next(requests, None)
-        if first is None or not first.HasField("pull"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ShmPull must open with the pull")
-        pull = first.pull
-        consumed = _Consumed(requests)
-        if first.direct:
-            destination = self._destination(first, session, context)
-            with pull_errors_abort(context):
-                try:
-                    yield from self._serve_direct(first, destination, consumed)
-                except _ConsumerGone:
-                    logger.warning("consumer left the direct shm pull of %s", pull.request_id)
-            return
-        with self._pool.get() as ring, pull_errors_abort(context):
-            sent = 0
-
-            def into(chunk: Chunk):
-                consumed.wait_for(sent - SLOTS + 1)  # the slot's previous chunk was read
-                start = ring.offset(sent)
-                return ring.segment.view[start : start + chunk.nbytes]
-
-            try:
-                for chunk, _ in stream_pull(self.producer, pull, into):
-                    yield pb.ShmChunk(
-                        header=pb.ChunkHeader(
-                            layer_index=chunk.layer_index,
-                            first_block=chunk.first,
-                            num_blocks=chunk.count,
-                        ),
-                        segment=ring.segment.name if sent == 0 else "",
-                        segment_bytes=ring.segment.size if sent == 0 else 0,
-                        offset=ring.offset(sent),
-                    )
-                    sent += 1
-                # The ring goes back to the pool only once the consumer read every slot.
-                consumed.wait_for(sent)
-            except _ConsumerGone:
-                logger.warning("consumer left the shm pull of %s after %d chunks", pull.request_id, sent)
-
-    def _destination(self, first: pb.ShmPullRequest, session, context) -> tuple[peers.Registration, list[int]]:
-        """The registered process and the addresses of the layers we push into it, or abort:
-        a direct pull writes only into the process that proved itself, inside what it registered."""
-        pull = first.pull
-        layers = len(self._addresses or ())
-        try:
-            if self._peers is None:
-                raise peers.PeerRefused("this producer serves no direct shm pulls")
-            registration = self._peers.lookup(first.registration, session.id, first.pid)
-            if len(registration.regions) != layers or len(first.block_ids) != len(pull.block_ids):
-                raise peers.PeerRefused(
-                    f"direct shm pull of {pull.request_id}: registration has {len(registration.regions)} "
-                    f"layers and the pull {len(first.block_ids)} destination blocks, this producer has "
-                    f"{layers} layers and the pull {len(pull.block_ids)} blocks"
-                )
-            row_bytes = self.producer.cache.block_bytes
-            if any(registration.regions[i][2] != row_bytes[i] for i in range(layers)):
-                raise peers.PeerRefused("registered regions' block sizes differ from this cache's")
-            return registration, registration.destinations(first.block_ids, range(layers // 2, layers))
-        except peers.PeerRefused as exc:
-            if self._peers is not None:
-                self._peers.refuse(str(exc))
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-            raise
-
-    def _serve_direct(
-        self, first: pb.ShmPullRequest, destination: tuple[peers.Registration, list[int]], consumed: _Consumed
-    ) -> Iterator[pb.ShmChunk]:
-        """Hold the lease while the blocks move directly between the two caches: we push the
-        upper half of the layers, the consumer reads the lower half itself."""
-        pull = first.pull
-        assert self._addresses is not None
-        registration, addresses = destination
-        layers = len(self._addresses)
-        row_bytes = self.producer.cache.block_bytes
-        push_from = layers // 2
-        with self.producer.leased(pull.request_id, list(pull.block_ids), pull.protocol_version, pull.layout_digest):
-            yield pb.ShmChunk(pid=os.getpid(), layer_addresses=self._addresses, push_from_layer=push_from)
-            pushed = layers - push_from
-            local = cma.block_iovecs(self._addresses[push_from:], row_bytes[push_from:], pull.block_ids)
-            remote = cma.block_iovecs(addresses, row_bytes[push_from:], first.block_ids)
-            try:
-                if not registration.alive():
-                    raise KVTransferError(f"registered process {registration.pid} exited")
-                cma.copy(registration.pid, local, remote, write=True)
-            except (OSError, KVTransferError) as exc:
-                logger.warning(
-                    "pushing KV of %s to pid %d failed (%s); the consumer reads it",
-                    pull.request_id,
-                    registration.pid,
-                    exc,
-                )
-                pushed = 0
-            yield pb.ShmChunk(pushed=True, pushed_layers=pushed)
-            consumed.wait_for(1)
-            self.producer.bytes_sent += len(pull.block_ids) * self.producer.layout.bytes_per_block()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            rings, self._rings = self._rings, []
-        for ring in rings:
-            ring.segment.close()
-            ring.segment.unlink()
-        if self._peers is not None:
-            self._peers.close()
-            self._peers = None
-        atexit.unregister(self.close)
 
 
 class ShmClient(GrpcClient):
@@ -377,10 +195,24 @@ class ShmClient(GrpcClient):
             while (message := outbox.get()) is not None:
                 yield message
 
-        call = self._shm_pull(messages(), metadata=self.control.metadata("ShmPull"), timeout=timeout_s)
+        # A direct pull lets the producer write into our cache: it has no gRPC deadline, which
+        # would end the call on our side while the producer may still be writing. Our deadline
+        # half-closes our side instead (the producer then writes nothing more), and a pull that
+        # fails before the producer said its writes are done waits for its call to end (_fence)
+        # before the failure reaches vLLM, which would hand these blocks to another request.
+        direct_call = rows is not None
+        call = self._shm_pull(
+            messages(), metadata=self.control.metadata("ShmPull"), timeout=None if direct_call else timeout_s
+        )
+        expired = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (expired.set(), outbox.put(None)))
+        if direct_call:
+            timer.daemon = True
+            timer.start()
         received = consumed = 0
         segment: Segment | None = None
         direct: DirectRead | None = None
+        writes_done = not direct_call
         try:
             early = self._read_early(block_ids, sink, rows) if rows is not None else None
             for note in call:
@@ -401,6 +233,12 @@ class ShmClient(GrpcClient):
                             direct = DirectRead(note, self._remote_layout, block_ids, sink, rows)
                             direct.read(0, note.push_from_layer)
                     else:
+                        writes_done = True
+                        if expired.is_set():
+                            raise TransferTimeoutError(
+                                f"KV shm pull of {request.request_id} from {self.endpoint} passed its "
+                                f"{timeout_s:g} s deadline"
+                            )
                         received += direct.finish(note.pushed_layers)
                         outbox.put(pb.ShmPullRequest(consumed=1))
                         # Every byte is in: no need to wait for the producer to end the call.
@@ -417,16 +255,52 @@ class ShmClient(GrpcClient):
                 consumed += 1
                 outbox.put(pb.ShmPullRequest(consumed=consumed))
         except grpc.RpcError as exc:
+            if not writes_done:
+                self._await_exit(exc.code())
             if rows is not None and exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                 self._forget_registration()
                 raise DirectRefused(exc.details()) from None
             raise translate(exc, self.endpoint, f"KV shm pull of {request.request_id}") from None
         except BaseException:
-            call.cancel()
+            if writes_done:
+                call.cancel()
+            else:
+                outbox.put(None)
+                self._fence(call)
             raise
         finally:
+            timer.cancel()
             outbox.put(None)
+        if direct_call and not writes_done:  # the call ended without the producer's last notice
+            self._await_exit(call.code())
+            if expired.is_set():
+                raise TransferTimeoutError(
+                    f"KV shm pull of {request.request_id} from {self.endpoint} passed its {timeout_s:g} s deadline"
+                )
         return self.check_total(request.request_id, block_ids, received)
+
+    def _fence(self, call) -> None:
+        """Wait until the producer's side of a direct pull ended: then none of its writes into
+        our cache can still be running (they run inside its call)."""
+        try:
+            for _ in call:
+                continue  # what it still says no longer matters
+        except grpc.RpcError as exc:
+            self._await_exit(exc.code())
+            return
+        self._await_exit(call.code())
+
+    def _await_exit(self, code: grpc.StatusCode) -> None:
+        """A call that ended without the producer's own status (its connection broke, its server
+        stopped) proves nothing about a write still running in its process: wait for the process
+        to exit (bounded), when we know it."""
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+            return
+        pid = self._peer.pid if self._peer is not None else 0
+        if not pid or not peers.wait_exit(pid, self.settings.pull_timeout_seconds):
+            logger.warning(
+                "KV producer %s ended a direct pull without its status; pid %s may live on", self.endpoint, pid
+            )
 
     def _settle(self, call) -> None:
         """Let a call end in the background: dropping the last reference would cancel it."""
