@@ -49,6 +49,10 @@ class LeaseNotFoundError(KVTransferError):
     """The producer holds no lease for the requested blocks (expired, released or unknown)."""
 
 
+class LeaseExpiredError(LeaseNotFoundError):
+    """The lease ended (expired or released) before this pull: the producer's blocks are gone."""
+
+
 class TransferTimeoutError(KVTransferError):
     """A pull did not complete within its deadline."""
 

@@ -6,7 +6,9 @@ Life of a lease (one per prefill request whose KV a decode engine will pull):
   RELEASED     the consumer confirmed (or gave up), or the lease expired while idle
 The worker reports RELEASED leases to vLLM as `finished_sending`, which frees the blocks. A pull
 that arrives before the worker learned about the lease waits on a condition (bounded), never on a
-sleep. Every path ends in RELEASED: confirmation, failed pull + release, or expiry.
+sleep; a pull for a lease that already ended (expired or released) fails at once: the table
+remembers the last ENDED_MEMORY ended request ids. Every path ends in RELEASED: confirmation,
+failed pull + release, or expiry.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import enum
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.errors import LeaseNotFoundError
+from pdcluster.errors import LeaseExpiredError, LeaseNotFoundError
 
 logger = logging.getLogger(__name__)
+
+ENDED_MEMORY = 65536  # ended leases remembered, so a late pull fails at once instead of waiting
 
 
 class LeaseState(enum.IntEnum):
@@ -48,6 +53,7 @@ class LeaseTable:
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
         self._finished: list[Lease] = []
+        self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> how its lease ended
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
@@ -70,12 +76,14 @@ class LeaseTable:
                 lease = self._leases.get(request_id)
                 if lease is not None:
                     break
+                if request_id in self._ended:
+                    raise LeaseExpiredError(f"KV lease for request {request_id} {self._ended[request_id]}")
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     raise LeaseNotFoundError(f"no KV lease for request {request_id} (expired, released or unknown)")
                 self._cond.wait(remaining)
             if lease.state == LeaseState.RELEASED or lease.release_requested:
-                raise LeaseNotFoundError(f"KV lease for request {request_id} was already released")
+                raise LeaseExpiredError(f"KV lease for request {request_id} was already released")
             held = set(lease.block_ids)
             stray = [b for b in block_ids if b not in held]
             if stray:
@@ -119,4 +127,7 @@ class LeaseTable:
             done, self._finished = self._finished, []
             for lease in done:
                 del self._leases[lease.request_id]
+                self._ended[lease.request_id] = "expired" if lease.expired else "was released"
+            while len(self._ended) > ENDED_MEMORY:
+                self._ended.popitem(last=False)
             return done

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pdcluster.errors import KVTransferError, UntrustedParamsError
+from pdcluster.errors import KVTransferError, LeaseExpiredError, UntrustedParamsError
 from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer.failures import report_failure
 from pdcluster.kv_transfer.faults import FaultInjector
@@ -327,6 +327,12 @@ class ConnectorWorker:
         try:
             if faults.config.pull_delay_s:
                 time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
+            if time.time() > spec.remote.remote_lease_expiry:
+                # The producer has freed (or is freeing) the blocks: dialing would only wait.
+                raise LeaseExpiredError(
+                    f"KV lease of {spec.remote.remote_request_id} expired "
+                    f"{time.time() - spec.remote.remote_lease_expiry:.1f} s ago: not pulled"
+                )
             client, _ = self._producer_client(spec.remote)  # a layout mismatch fails here
             if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:
                 raise KVTransferError(
@@ -354,12 +360,22 @@ class ConnectorWorker:
                     )
                 finally:
                     event = scatterer.finish()
-        except (KVTransferError, OSError) as exc:
-            logger.error("KV pull for %s from %s failed: %s", spec.request_id, spec.remote.remote_engine_id, exc)
+        except Exception as exc:  # noqa: BLE001 - a pull never kills the engine: any failure is a failed load
+            # Expected failures name their cause; anything else (a bug, a library's overflow) is
+            # logged once with its traceback. vLLM then recomputes or fails the request.
+            expected = isinstance(exc, (KVTransferError, OSError))
+            logger.error(
+                "KV pull for %s from %s failed: %s",
+                spec.request_id,
+                spec.remote.remote_engine_id,
+                exc if expected else f"{type(exc).__name__}: {exc}",
+                exc_info=not expected,
+            )
             if self.settings.failure_policy == "fail":
                 # Before vLLM hears of it: the engine's error for this request then says why.
                 report_failure(spec.remote.remote_request_id, spec.remote.remote_engine_id, str(exc))
-            if not isinstance(exc, UntrustedParamsError):  # never dial what the cluster did not vouch for
+            # Never dial what the cluster did not vouch for, nor a lease that is gone anyway.
+            if not isinstance(exc, (UntrustedParamsError, LeaseExpiredError)):
                 self._release(spec.remote, False)
             return PullResult(
                 spec.request_id,
@@ -391,9 +407,9 @@ class ConnectorWorker:
                 engine_id=self.engine_id,
                 timeout_s=self.settings.release_timeout_seconds,
             )
-        except KVTransferError as exc:
+        except Exception as exc:  # noqa: BLE001 - runs on the pull pool: nothing may escape unseen
             # The producer's lease expiry frees the blocks if this message is lost.
-            logger.warning("KV release of %s failed: %s", lease.remote_request_id, exc)
+            logger.warning("KV release of %s failed: %s: %s", lease.remote_request_id, type(exc).__name__, exc)
 
     # -- shutdown ----------------------------------------------------------------------------
 

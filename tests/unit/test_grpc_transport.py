@@ -214,3 +214,26 @@ def test_a_producer_that_names_no_offers_is_served_over_grpc():
         remote_offers=info.offers,
     )
     assert chosen == "grpc"
+
+
+@pytest.mark.parametrize("ending", ["expired", "was released"])
+def test_a_pull_for_an_ended_lease_fails_at_once(ending):
+    """The producer remembers leases that ended: a late pull is refused at once, not after a
+    wait for the lease to appear (which would hold a server thread: here it would outlast the
+    pull's own deadline and end as a timeout instead)."""
+    producer = KVProducer(make_cache(), "prefill-0", max_chunk_bytes=4096, lease_wait_s=600)
+    transport = create_transport("grpc", KVTransferSettings(secret=SECRET, max_chunk_bytes=4096, server_threads=1))
+    server = transport.serve(producer, "127.0.0.1", 0)
+    try:
+        if ending == "expired":
+            producer.leases.add("req-late", [1, 2], time.monotonic() - 1)
+        else:
+            producer.leases.add("req-late", [1, 2], time.monotonic() + 600)
+            producer.release("req-late", True)
+        assert [lease.request_id for lease in producer.leases.collect_finished()] == ["req-late"]
+        consumer = make_cache(fill="zeros")
+        for _ in range(3):  # one server thread: a waiting pull would block the next
+            with pytest.raises(LeaseNotFoundError, match=f"req-late {ending}"):
+                pull_into(transport, server, consumer, "req-late", [1, 2], [0, 1])
+    finally:
+        server.stop(0)

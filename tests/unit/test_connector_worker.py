@@ -1,0 +1,113 @@
+"""The connector's worker half as a consumer, against a real producer's KV server: whatever goes
+wrong inside a pull (a bug, bad block ids, a lease known to be over) is a failed load reported to
+vLLM, never an exception that would kill the engine."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from pdcluster.keys import KV_PARAMS, derive_key
+from pdcluster.kv_transfer.metadata import PDConnectorMetadata, PullSpec
+from pdcluster.kv_transfer.params import KVParams
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.settings import KVTransferSettings
+from pdcluster.kv_transfer.transports import create_transport
+from pdcluster.kv_transfer.worker import ConnectorWorker
+from tests.unit.kv_fixtures import make_cache
+
+SECRET = "worker-test-secret"
+SETTINGS = KVTransferSettings(secret=SECRET, backend="grpc", max_chunk_bytes=4096, pull_timeout_seconds=10)
+
+
+@pytest.fixture
+def producer():
+    producer = KVProducer(make_cache(seed=3), "prefill-0", max_chunk_bytes=4096, lease_wait_s=1)
+    server = create_transport("grpc", SETTINGS).serve(producer, "127.0.0.1", 0)
+    yield producer, server.address
+    server.stop(0)
+
+
+@pytest.fixture
+def consumer():
+    cache = make_cache(fill="zeros")
+    worker = ConnectorWorker(
+        SETTINGS,
+        "decode-0",
+        model="tiny",
+        block_size=16,
+        num_blocks=None,
+        tp_size=1,
+        tp_rank=0,
+        is_producer=False,
+        is_consumer=True,
+    )
+    worker.register_kv_caches(dict(zip(cache.layer_names, cache.tensors)))
+    yield worker
+    worker.shutdown()
+
+
+def lease(endpoint: str, blocks=(4, 5), expiry_in: float = 600) -> KVParams:
+    return KVParams(
+        remote_engine_id="prefill-0",
+        remote_request_id="req-1",
+        remote_endpoints=(endpoint,),
+        remote_block_ids=tuple(blocks),
+        remote_num_tokens=16 * len(blocks),
+        remote_lease_expiry=time.time() + expiry_in,
+    ).signed(derive_key(SECRET, KV_PARAMS))
+
+
+def outcome(worker: ConnectorWorker, spec: PullSpec) -> str:
+    worker.bind(PDConnectorMetadata(pulls=[spec]))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.get_finished()  # must never raise
+        if spec.request_id in recving:
+            return "failed" if spec.request_id in failed else "ok"
+        time.sleep(0.01)  # poll interval
+    raise AssertionError("the pull never finished")
+
+
+def test_a_good_pull_lands(producer, consumer):
+    source, address = producer
+    source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+    spec = PullSpec("d-1", lease(address), (4, 5), (0, 1))
+    assert outcome(consumer, spec) == "ok"
+
+
+def test_local_block_ids_outside_the_cache_are_a_failed_load(producer, consumer):
+    source, address = producer
+    source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+    spec = PullSpec("d-2", lease(address), (4, 5), (0, 10**9))
+    assert outcome(consumer, spec) == "failed"
+    # The producer's lease was released all the same.
+    assert [done.request_id for done in source.leases.collect_finished()] == ["req-1"]
+
+
+def test_a_bug_inside_the_transport_is_a_failed_load(producer, consumer, monkeypatch, caplog):
+    source, address = producer
+    source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+    from pdcluster.kv_transfer.transports.grpc_transport import GrpcClient
+
+    def broken(self, *args, **kwargs):
+        raise ZeroDivisionError("a transport bug")
+
+    monkeypatch.setattr(GrpcClient, "pull", broken)
+    with caplog.at_level("ERROR", logger="pdcluster.kv_transfer.worker"):
+        assert outcome(consumer, PullSpec("d-3", lease(address), (4, 5), (0, 1))) == "failed"
+    errors = [r for r in caplog.records if "ZeroDivisionError: a transport bug" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None  # once, with its traceback
+
+
+def test_a_lease_known_to_have_expired_is_not_pulled(consumer):
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(4)
+        trap.setblocking(False)
+        expired = lease(f"127.0.0.1:{trap.getsockname()[1]}", expiry_in=-5)
+        assert outcome(consumer, PullSpec("d-4", expired, (4, 5), (0, 1))) == "failed"
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # neither a pull nor a release was dialed
