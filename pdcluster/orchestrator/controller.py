@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pdcluster.config import ClusterConfig, RoleName
@@ -123,6 +125,21 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
     )
 
 
+def generation_defaults(model_path: str) -> dict[str, Any]:
+    """The request defaults of the model's generation_config.json (vLLM applies them to every
+    engine's requests), when the model is a directory this node can read; else none."""
+    from pdcluster.orchestrator.router.continuation import request_defaults
+
+    path = Path(model_path) / "generation_config.json"
+    try:
+        return request_defaults(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("cannot read %s (%s): the router decides without the model's defaults", path, exc)
+        return {}
+
+
 class Controller:
     def __init__(self, config_json: str, secret: str, api_keys: list[str] | None = None):
         """`secret` and `api_keys` are what `up` read from the files the config names, on its
@@ -162,6 +179,7 @@ class Controller:
             first_token_from_prefill=cfg.router.first_token_from_prefill,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
             engine_token=engine_http_token(self._secret),
+            generation_defaults=generation_defaults(cfg.model.path),
         )
         self.router = (
             ray.remote(RouterActor)

@@ -118,6 +118,26 @@ def test_chat_matches_streaming_and_not(client, reference):
         assert text == expected
 
 
+def test_openai_semantics_through_pd_are_one_engines(cluster, client, reference):
+    """What used to be refused or mangled by the P/D path: several choices, min_tokens above the
+    prefill's one token, logprobs: false, a prompt one token short of the context."""
+    prompt, expected = PROMPTS[0], reference["completions"][0]
+    several = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.text for c in several.choices] == [expected, expected]
+    at_least = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"min_tokens": 4}
+    )
+    assert at_least.usage.completion_tokens >= 4
+    for stream in (False, True):
+        answer = client.chat.completions.create(
+            model=NAME, messages=CHAT[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=False, stream=stream
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices) if stream else None
+        assert (text if stream else answer.choices[0].message.content) == reference["chat"][0]
+    edge = client.completions.create(model=NAME, prompt=token_prompt(1023, offset=4000), max_tokens=1, temperature=0)
+    assert edge.usage.completion_tokens == 1 and edge.usage.prompt_tokens == 1023
+
+
 def test_requests_sharing_a_prefix_match(cluster, client, reference):
     """Streamed (first token from the prefill) and whole, each prompt after the first finds the
     shared prefix in the decode replica's prefix cache; the rest is pulled where it belongs."""

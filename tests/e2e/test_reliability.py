@@ -259,7 +259,9 @@ def assert_openai_error(response, status):
         (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "ten"}).encode(), 400, "integer"),
         (json.dumps({"model": "tiny", "prompt": ""}).encode(), 400, "empty"),
         (json.dumps({"model": "tiny", "prompt": "x", "stream": "yes"}).encode(), 400, "boolean"),
-        (json.dumps({"model": "tiny", "prompt": "x", "n": 3}).encode(), 400, "'n'"),
+        (json.dumps({"model": "tiny", "prompt": "x", "n": 0}).encode(), 400, "'n'"),
+        (b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, "nests deeper"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, "not usable JSON"),
         (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
         (json.dumps({"model": "tiny", "prompt": "x", "kv_transfer_params": {}}).encode(), 400, "kv_transfer_params"),
         (json.dumps({"model": "tiny", "prompt": "word " * 9000}).encode(), 400, "context"),
@@ -288,11 +290,22 @@ json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**40), 2**40)
+    | st.integers(-(2**300), 2**300)  # huge numbers
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=8,
 )
+
+
+def _nest(depth_and_value):
+    depth, value = depth_and_value
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+nested = st.tuples(st.integers(1, 80), json_values).map(_nest)  # deep nesting, past the router's limit
 fields = st.fixed_dictionaries(
     {},
     optional={
@@ -314,7 +327,9 @@ fields = st.fixed_dictionaries(
         "stream": st.one_of(st.booleans(), json_values),
         "logprobs": json_values,
         "seed": json_values,
-        "unknown_field": json_values,
+        "n": st.one_of(st.integers(-2, 70), json_values),
+        "min_tokens": st.one_of(st.integers(-2, 8), json_values),
+        "unknown_field": st.one_of(json_values, nested),
     },
 )
 

@@ -31,7 +31,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_c
         ({"suffix": "x"}, "completions", False),
         ({"prompt": ["a", "b"]}, "completions", False),  # two prompts
         ({"prompt": [1, 2, 3]}, "completions", True),
-        ({"seed": 7, "top_p": 0.9, "stream_options": {"include_usage": True}}, "completions", True),
+        ({"top_p": 0.9, "stream_options": {"include_usage": True}}, "completions", True),
+        # A seeded continuation draws its second token from a fresh generator: another text.
+        ({"seed": 7}, "completions", False),
     ],
 )
 def test_which_completions_continue(change, kind, expected):
@@ -45,6 +47,23 @@ def test_which_chats_continue():
     assert not cont.continuable({**CHAT, "response_format": {"type": "json_object"}}, "chat")
     assert not cont.continuable({**CHAT, "max_completion_tokens": 1, "max_tokens": 50}, "chat")
     assert cont.continuable({k: v for k, v in CHAT.items() if k != "max_completion_tokens"}, "chat")
+
+
+def test_the_models_generation_defaults_count_as_if_sent():
+    """vLLM applies generation_config.json to fields a client leaves out: the router decides on
+    the request as the engines will run it."""
+    defaults = cont.request_defaults({"presence_penalty": 0.3, "max_new_tokens": 1, "eos_token_id": 0})
+    assert defaults == {"presence_penalty": 0.3, "max_tokens": 1}
+    assert not cont.continuable(BASE, "completions", defaults)  # a penalty over output tokens
+    assert cont.continuable({**BASE, "presence_penalty": 0}, "completions", defaults)  # the client's own
+    chat = {k: v for k, v in CHAT.items() if k != "max_completion_tokens"}
+    assert cont.continuable(chat, "chat", {})
+    assert not cont.continuable(chat, "chat", {"max_tokens": 1})  # the model's default: one token
+    # completions' max_tokens defaults to 16 in the protocol itself, whatever the model says
+    assert cont.continuable({k: v for k, v in BASE.items() if k != "max_tokens"}, "completions", {"max_tokens": 1})
+    lease = KVParams("p", "r", ("127.0.0.1:1",), (0,), 3, 1e10)
+    first = cont.first_token(prefill_answer("chat"), "chat", lease)
+    assert cont.decode_body(chat, "chat", first, {}, {"max_tokens": 10})["max_tokens"] == 9
 
 
 def prefill_answer(kind: str, text: str = "    return", finish: str = "length", prompt_ids=(11, 12, 13)) -> dict:
@@ -75,9 +94,9 @@ def test_first_token_only_when_decode_can_continue_after_it():
 def test_decode_body_continues_after_the_first_token_with_one_token_less():
     first = cont.first_token(prefill_answer("completions"), "completions", lease())
     params = lease().to_dict()
-    body = cont.decode_body({**BASE, "min_tokens": 4, "seed": 3}, "completions", first, params)
+    body = cont.decode_body({**BASE, "min_tokens": 4, "top_k": 3}, "completions", first, params)
     assert body["prompt"] == [11, 12, 13, 42]
-    assert (body["max_tokens"], body["min_tokens"], body["seed"], body["kv_transfer_params"]) == (7, 3, 3, params)
+    assert (body["max_tokens"], body["min_tokens"], body["top_k"], body["kv_transfer_params"]) == (7, 3, 3, params)
     default = cont.decode_body({k: v for k, v in BASE.items() if k != "max_tokens"}, "completions", first, params)
     assert default["max_tokens"] == cont.COMPLETIONS_DEFAULT_MAX_TOKENS - 1
     unbounded = cont.decode_body({k: v for k, v in CHAT.items() if k != "max_completion_tokens"}, "chat", first, params)

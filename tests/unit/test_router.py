@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 
 from pdcluster.orchestrator.router import Router, RouterSettings
 from tests.unit.replica_stand_ins import ENGINE_TOKEN, row
@@ -38,6 +39,32 @@ def test_every_prefill_unreachable_gives_503_after_trying_each_once():
     assert re.search(r'pdcluster_retries_total\{role="prefill"\} 2\.0', metrics), metrics  # both were tried
     assert re.search(r'pdcluster_requests_total\{endpoint="completions",outcome="no_replica"\} 1\.0', metrics)
     assert all(r.inflight_requests == 0 for r in router.replicas.values())  # nothing leaked
+
+
+async def _post_raw(router: Router, content: bytes) -> httpx.Response:
+    url = await router.start("127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            return await client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    finally:
+        await router.stop()
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
+        (b'{"model": "tiny", "prompt": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}", "nests deeper"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "not usable JSON"),
+        (b'{"model": "tiny", "prompt": "x", "n": 1e400}', "'n' must be an integer"),
+        (b'{"model": "tiny", "prompt": "x", "n": 0}', "'n' must be an integer"),
+    ],
+)
+def test_deep_nesting_and_huge_numbers_are_400_not_500(content, needle):
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    response = asyncio.run(_post_raw(router, content))
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
 
 
 def test_aggregated_replicas_unreachable_gives_503():

@@ -114,6 +114,31 @@ def test_a_decode_never_reached_gets_its_lease_sent_to_another_without_a_second_
     assert metric(router, 'pdcluster_retries_total{role="prefill"}') == 0
 
 
+def test_several_choices_are_computed_by_decode_alone(serve):
+    """n > 1: one lease would be used up by the first child's pull, so decode computes the prompt
+    and its children share it; no prefill is asked."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+
+    async def choices(call, out):
+        await out.json({"id": "cmpl-d", "choices": [{"index": i, "text": f"c{i}"} for i in range(call.body["n"])]})
+
+    prefill, decode = StandIn(prefill_answer()), StandIn(choices)
+    response, _ = serve(router, {"prefill-0": prefill, "decode-0": decode}, {**COMPLETION, "n": 3}, [])
+    assert response.status_code == 200 and [c["text"] for c in response.json()["choices"]] == ["c0", "c1", "c2"]
+    assert prefill.calls == []
+    [sent] = decode.posts()
+    assert sent.body["n"] == 3 and "kv_transfer_params" not in sent.body
+
+
+def test_min_tokens_reach_decode_and_the_prefill_gets_what_its_one_token_allows(serve):
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
+    prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
+    response, _ = serve(router, {"prefill-0": prefill, "decode-0": decode}, {**COMPLETION, "min_tokens": 3}, [])
+    assert response.status_code == 200
+    assert prefill.posts()[0].body["min_tokens"] == 1 and prefill.posts()[0].body["max_tokens"] == 1
+    assert decode.posts()[0].body["min_tokens"] == 3
+
+
 def test_a_prefill_that_hangs_up_is_replaced_by_another_prefill(serve):
     router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
     gone, prefill, decode = StandIn(hang_up), StandIn(prefill_answer()), StandIn(decode_answer)

@@ -11,11 +11,13 @@ new position. No token reaches the client later than on the classic path; the fi
 a handoff earlier.
 
 Only requests whose meaning survives the split take this path: streaming, one choice, and only
-fields that mean the same for the continuation (`CONTINUABLE_FIELDS`). Anything else takes the
-classic path: stop strings (one could straddle the two replicas' texts), logprobs, echo, tools,
-response formats, penalties over output tokens; and so does a prefill that stopped at its first
-token, returned an incomplete UTF-8 character, or computed fewer tokens than the prompt (MTP
-back-off).
+fields that mean the same for the continuation (`CONTINUABLE_FIELDS`), with the model's own
+generation defaults (generation_config.json) counted as if the client had sent them. Anything
+else takes the classic path: stop strings (one could straddle the two replicas' texts),
+logprobs, echo, tools, response formats, penalties over output tokens, a seed (the continuation
+would draw its second token from a fresh generator: another text than one engine gives); and so
+does a prefill that stopped at its first token, returned an incomplete UTF-8 character, or
+computed fewer tokens than the prompt (MTP back-off).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ CONTINUABLE_FIELDS = frozenset(
         "top_p",
         "top_k",
         "min_p",
-        "seed",
         "stop_token_ids",
         "ignore_eos",
         "repetition_penalty",
@@ -62,6 +63,34 @@ NEUTRAL_WHEN = {
     "echo": "false",
 }
 _PROMPT_FIELD = {"completions": "prompt", "chat": "messages"}
+
+
+# generation_config.json keys vLLM takes as request defaults, by the request field they stand for.
+GENERATION_DEFAULTS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def request_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """What the model's generation_config.json makes a request's defaults (vLLM applies them to
+    fields the client did not set)."""
+    return {field: generation_config[key] for key, field in GENERATION_DEFAULTS.items() if key in generation_config}
+
+
+def with_defaults(body: dict[str, Any], kind: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The request as the engine will run it: the client's fields over the model's defaults
+    (a completions request's max_tokens defaults to 16 in the protocol itself, so the model's
+    max_new_tokens stands in for chat requests only)."""
+    if kind == "completions":
+        defaults = {key: value for key, value in defaults.items() if key != "max_tokens"}
+    return {**defaults, **{key: value for key, value in body.items() if value is not None}}
 
 
 def output_limit(body: dict[str, Any], kind: str) -> int | None:
@@ -85,8 +114,10 @@ def _neutral(key: str, value: Any) -> bool:
     return value in ("", [])
 
 
-def continuable(body: dict[str, Any], kind: str) -> bool:
-    """Can this request take its first token from the prefill (see the module docstring)?"""
+def continuable(body: dict[str, Any], kind: str, defaults: dict[str, Any] | None = None) -> bool:
+    """Can this request take its first token from the prefill (see the module docstring)?
+    `defaults`: request_defaults() of the model's generation config."""
+    body = with_defaults(body, kind, defaults or {})
     if body.get("stream") is not True or body.get("n") not in (None, 1):
         return False
     for key, value in body.items():
@@ -142,8 +173,15 @@ def first_token(answer: dict[str, Any], kind: str, lease: KVParams) -> FirstToke
     )
 
 
-def decode_body(body: dict[str, Any], kind: str, first: FirstToken, kv_params: dict[str, Any]) -> dict[str, Any]:
+def decode_body(
+    body: dict[str, Any],
+    kind: str,
+    first: FirstToken,
+    kv_params: dict[str, Any],
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The continuation request for the decode replica (sent to CONTINUATION_PATH)."""
+    body = with_defaults(body, kind, defaults or {})
     out = {
         key: value
         for key, value in body.items()

@@ -9,7 +9,9 @@ Disaggregated mode:
   3. decode: POST the original request plus the returned kv_transfer_params to the chosen decode
      replica and relay its answer (SSE stream or JSON). Streaming requests that allow it get the
      prefill's first token at once, and the decode replica continues after it (continuation.py).
-Aggregated mode sends the request to one replica.
+Requests for several choices (`n` > 1) skip the prefill: the decode replica computes the prompt
+once and its children share it (vLLM's parallel sampling over its own prefix cache); one lease
+would be used up by the first child's pull. Aggregated mode sends the request to one replica.
 
 Recovery (`PhaseRunner.recover`), the same for every phase and role:
   - a replica never reached (nothing was sent): the same phase on another replica of its role;
@@ -96,6 +98,7 @@ class Handoff:
     metrics: RouterMetrics
     tokens: int = 0  # estimated prompt tokens (load balancing)
     continuing: bool = False  # may take its first token from the prefill (continuation.py)
+    local: bool = False  # decode computes the prompt itself (several choices): no prefill
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # sent as X-Request-Id
     prefill: ReplicaLoad | None = None  # the prefill replica of the latest pass
     answering: ReplicaLoad | None = None  # the replica whose answer the client gets (decode/aggregated)
@@ -168,9 +171,10 @@ class PhaseRunner:
         continuing = (
             self.settings.disaggregated
             and self.settings.first_token_from_prefill
-            and continuation.continuable(body, kind)
+            and continuation.continuable(body, kind, self.settings.generation_defaults)
         )
-        return Handoff(body, kind, started, self.pool, self.metrics, continuing=continuing)
+        local = self.settings.disaggregated and (body.get("n") or 1) > 1
+        return Handoff(body, kind, started, self.pool, self.metrics, continuing=continuing, local=local)
 
     async def serve(self, h: Handoff) -> Response:
         """The client's response. A streamed one owns the request's holds from here on (Relay);
@@ -190,7 +194,8 @@ class PhaseRunner:
             try:
                 if h.answering is None:
                     h.answering = h.choose(answering_role)
-                if self.settings.disaggregated and h.params is None and (early := await self._prefill(h)) is not None:
+                needs_prefill = self.settings.disaggregated and not h.local and h.params is None
+                if needs_prefill and (early := await self._prefill(h)) is not None:
                     return early
                 if h.first is not None:
                     return self._continuation(h)
@@ -255,6 +260,8 @@ class PhaseRunner:
         body.update(stream=False, max_tokens=1, kv_transfer_params=dict(kvp.ASK_PREFILL))
         if h.kind == "chat":
             body["max_completion_tokens"] = 1
+        if body.get("min_tokens"):
+            body["min_tokens"] = 1  # the one token still may not end the answer (EOS masked)
         if h.continuing:
             body["return_token_ids"] = True
         return body
@@ -286,7 +293,7 @@ class PhaseRunner:
         continuation request leaves at once and travels while the client reads the first token."""
         assert h.first is not None and h.params is not None
         relay = Relay(h)
-        body = continuation.decode_body(h.body, h.kind, h.first, h.params)
+        body = continuation.decode_body(h.body, h.kind, h.first, h.params, self.settings.generation_defaults)
         self._dispatch(h, relay, body)
         return RelayResponse(self._continue(h, relay, body), relay, h.served_by())
 

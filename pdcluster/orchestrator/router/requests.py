@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 # Prompts up to this many characters (~1k tokens, ~1 ms) are tokenized on the event loop;
 # longer ones in a thread (the fast tokenizer releases the GIL while it encodes).
 INLINE_TOKENIZE_CHARS = 4096
+MAX_JSON_DEPTH = 64  # OpenAI requests nest a few levels; deeper ones are refused, not recursed into
+MAX_N = 64  # choices per request
 
 
 def error_response(
@@ -72,9 +74,28 @@ async def read_body(request: Request, limit: int) -> dict[str, Any]:
         raise BadRequest(
             f"Request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
         ) from None
+    except RecursionError:
+        raise BadRequest(f"Request body nests deeper than {MAX_JSON_DEPTH} levels.") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise BadRequest(f"Request body is not usable JSON: {exc}.") from None
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object.")
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise BadRequest(f"Request body nests deeper than {MAX_JSON_DEPTH} levels.")
     return body
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
@@ -91,9 +112,9 @@ def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean.", param="stream")
-    n = body.get("n", 1)
-    if n is not None and n != 1 and settings.disaggregated:
-        raise BadRequest("'n' > 1 is not supported by the disaggregated path.", param="n")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+        raise BadRequest(f"'n' must be an integer from 1 to {MAX_N}.", param="n")
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is None:

@@ -20,6 +20,9 @@ class RouterSettings:
     tokenizer_path: str | None = None
     phase_attempts: int = 3  # replicas tried per role for one request (handoff.py)
     first_token_from_prefill: bool = True  # router.first_token_from_prefill (continuation.py)
+    # The model's generation_config.json as request defaults (continuation.request_defaults):
+    # what the engines apply to fields a client leaves out, so the router decides as they run.
+    generation_defaults: dict = field(default_factory=dict)
     abandon_after_prefill_rate: float = 0.0  # fault injection (router.fault_injection)
     # The key engines' HTTP apps require (keys.engine_http_token): the router presents it on every
     # call to a replica. Never shown (repr) or logged; the router never holds the KV secret itself.
