@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,7 @@ from pdcluster.errors import ConfigError, PDClusterError
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
+FOREGROUND_STOP_TIMEOUT_S = 300  # a foreground `up` stops its engines gracefully first
 
 
 def out(text: str = "") -> None:
@@ -144,7 +146,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     out(f"pdcluster {config.name} ready: {session.endpoint}")
     if not args.foreground:
         return 0
-    out("serving in the foreground; Ctrl-C stops the cluster")
+    out("serving in the foreground; Ctrl-C (or pdcluster down) stops the cluster")
+    session.foreground_pid = os.getpid()
+    session.save()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -198,14 +202,45 @@ def _teardown(session) -> None:
         session.remove()
 
 
+def notice(text: str) -> None:
+    """A one-line notice on stderr (not logging)."""
+    sys.stderr.write(f"pdcluster: {text}\n")
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     from pdcluster.orchestrator.session import Session
 
-    session = Session.load(args.name)
+    session = Session.load(args.name, notice if args.name is None else None)
+    if session.is_stale():
+        session.remove()
+        out(f"pdcluster {session.name}: its Ray ({session.ray_address}) is gone; removed its record")
+        return 0
+    if session.foreground_pid is not None and _stop_foreground(session):
+        out(f"pdcluster {session.name} stopped (its foreground `up` shut it down)")
+        return 0
     _connect_quietly(session)
     _teardown(session)
     out(f"pdcluster {session.name} stopped")
     return 0
+
+
+def _stop_foreground(session) -> bool:
+    """Ask the `up --foreground` serving the cluster to stop it (SIGTERM: its own Ctrl-C path,
+    which exits 0) and wait until it did; False when there is no such process."""
+    import psutil
+
+    try:
+        process = psutil.Process(session.foreground_pid)
+        if "pdcluster" not in " ".join(process.cmdline()):
+            return False  # the pid was reused by something else
+        process.send_signal(signal.SIGTERM)
+        process.wait(FOREGROUND_STOP_TIMEOUT_S)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.TimeoutExpired:
+        notice(f"the foreground `up` (pid {session.foreground_pid}) did not stop in time; stopping the cluster here")
+        return False
+    return not session.path.exists()
 
 
 def _connect_quietly(session) -> None:
@@ -226,7 +261,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from pdcluster.orchestrator.session import Session
 
-    session = Session.load(args.name)
+    session = Session.load(args.name, notice)
     controller = _connect(session)
     status = ray.get(controller.status.remote())
     if args.json:
@@ -289,7 +324,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
     if args.replicas < 0:
         raise ConfigError("replicas must be ≥ 0")
-    session = Session.load(args.name)
+    session = Session.load(args.name, notice)
     controller = _connect(session)
     try:
         result = ray.get(controller.scale.remote(args.role, args.replicas))
@@ -355,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("pdcluster: interrupted\n")
         return 130
+    except Exception as exc:  # noqa: BLE001 - a CLI user gets one line, never a traceback
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        sys.stderr.write(f"pdcluster: {args.command} failed: {type(exc).__name__}: {first}\n")
+        logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +38,21 @@ class Session:
     endpoint: str | None = None
     head_pid: int | None = None  # process group of the Ray head we started (None: joined)
     config_path: str | None = None
+    foreground_pid: int | None = None  # `up --foreground` serving it: `down` asks that one to stop
+
+    def is_stale(self) -> bool:
+        """Its Ray is gone: the head we started has exited, or the joined cluster's GCS does not
+        answer."""
+        if self.head_pid is not None:
+            return not process_group_alive(self.head_pid)
+        host, _, port = self.ray_address.rpartition(":")
+        if not port.isdigit():
+            return False  # "auto" and the like: Ray finds it; not ours to judge
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=2).close()
+        except OSError:
+            return True
+        return False
 
     @property
     def path(self) -> Path:
@@ -52,21 +68,40 @@ class Session:
         self.path.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, name: str | None) -> Session:
+    def load(cls, name: str | None, notice: Callable[[str], None] | None = None) -> Session:
+        """The record of cluster `name` (the only one up, for None). With `notice`, records whose
+        Ray is gone are removed first, and `notice` gets a line for each."""
         home = state_home()
         if name is None:
-            found = sorted(home.glob("*.json")) if home.exists() else []
+            found = [cls._read(p) for p in sorted(home.glob("*.json"))] if home.exists() else []
+            found = [s for s in found if not (notice and s.drop_if_stale(notice))]
             if not found:
                 raise ConfigError("no running cluster (pdcluster up FILE starts one)")
             if len(found) > 1:
-                names = ", ".join(p.stem for p in found)
+                names = ", ".join(s.name for s in found)
                 raise ConfigError(f"several clusters are up ({names}): choose one with --name")
-            path = found[0]
-        else:
-            path = home / f"{name}.json"
-            if not path.exists():
-                raise ConfigError(f"no running cluster named {name!r}")
-        return cls(**json.loads(path.read_text()))
+            return found[0]
+        path = home / f"{name}.json"
+        if not path.exists():
+            raise ConfigError(f"no running cluster named {name!r}")
+        session = cls._read(path)
+        if notice and session.drop_if_stale(notice):
+            raise ConfigError(f"no running cluster named {name!r}")
+        return session
+
+    @classmethod
+    def _read(cls, path: Path) -> Session:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"cluster record {path} is unreadable ({exc}); remove it") from None
+
+    def drop_if_stale(self, notice: Callable[[str], None]) -> bool:
+        if not self.is_stale():
+            return False
+        self.remove()
+        notice(f"removed the record of cluster {self.name!r}: its Ray ({self.ray_address}) is gone")
+        return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,59 @@
+"""`pdcluster up --foreground` (what `make run` runs) ends at once, with exit 0, when another
+shell runs `pdcluster down`: the foreground process stops the cluster itself."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import time
+
+import pytest
+
+from tests.support.cluster import PDCLUSTER, cli, write_config
+from tests.support.engines import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout_s: float) -> str:
+    """The foreground's output up to the line containing `needle` (its readiness line)."""
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    seen, deadline = "", time.monotonic() + timeout_s
+    while needle not in seen:
+        assert proc.poll() is None, f"up exited early:\n{seen}"
+        assert time.monotonic() < deadline, f"no {needle!r} in time:\n{seen}"
+        if selector.select(timeout=1.0):
+            seen += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
+    return seen
+
+
+def test_down_from_another_shell_ends_a_foreground_up_with_exit_0(tmp_path):
+    name = "e2e-foreground"
+    config = write_config(
+        tmp_path / "cluster.yaml",
+        name=name,
+        mode="aggregated",
+        roles={"aggregated": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 0}},
+    )
+    env = dict(os.environ, PDCLUSTER_HOME=str(tmp_path))
+    proc = subprocess.Popen(
+        [*PDCLUSTER, "up", str(config), "--foreground"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        read_until(proc, "serving in the foreground", 600)
+        down = cli(tmp_path, "down", "--name", name, timeout=400)
+        assert "its foreground `up` shut it down" in down.stdout
+        assert proc.wait(timeout=60) == 0  # it had already stopped when down returned
+        rest = os.read(proc.stdout.fileno(), 1 << 20).decode(errors="replace")
+        assert "Traceback" not in rest and "stopped" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            cli(tmp_path, "down", "--name", name, timeout=300, check=False)
+    assert not list(tmp_path.glob("*.json"))

@@ -1,0 +1,77 @@
+"""Cluster records whose Ray is gone: `status`, `scale` and `down` clean them with one line each
+and never show a traceback (real processes and sockets: a Ray head that exited, a GCS port that
+nobody listens on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PDCLUSTER_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "pdcluster.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def gone_process_group() -> int:
+    """The pid (and process group) of a Ray head that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()
+    return proc.pid
+
+
+def closed_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nobody listens once closed
+
+
+@pytest.fixture
+def home(tmp_path):
+    records = {
+        "started": {"ray_address": "127.0.0.1:6379", "head_pid": gone_process_group()},
+        "joined": {"ray_address": closed_address(), "head_pid": None},
+    }
+    for name, fields in records.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"name": name, "namespace": "pdcluster", **fields}))
+    return tmp_path
+
+
+def assert_one_line_each(result: subprocess.CompletedProcess) -> list[str]:
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr + result.stdout
+    assert all(line.startswith("pdcluster: ") for line in lines), lines
+    return lines
+
+
+@pytest.mark.parametrize("command", [["status"], ["scale", "decode", "2"]])
+def test_stale_records_are_removed_instead_of_blocking_commands_without_a_name(home, command):
+    result = cli(home, *command)
+    lines = assert_one_line_each(result)
+    assert result.returncode == 2
+    removed = [line for line in lines if "removed the record" in line]
+    assert (
+        len(removed) == 2
+        and any("'started'" in line for line in removed)
+        and any("'joined'" in line for line in removed)
+    )
+    assert lines[-1] == "pdcluster: no running cluster (pdcluster up FILE starts one)"
+    assert list(home.glob("*.json")) == []
+
+
+def test_down_of_a_stale_cluster_is_one_line_and_exit_0(home):
+    result = cli(home, "down", "--name", "started")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stdout.strip() == "pdcluster started: its Ray (127.0.0.1:6379) is gone; removed its record"
+    assert not (home / "started.json").exists() and (home / "joined.json").exists()
