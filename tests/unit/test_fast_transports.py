@@ -9,7 +9,10 @@ pair group built on first use.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
 from pdcluster.protos import kv_transfer_pb2 as pb
+from tests.support.engines import REPO
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
 
@@ -285,3 +289,39 @@ def test_handshake_tells_where_the_producer_runs_and_what_it_offers(producer_pro
     assert info.engine_id == "prefill-0"
     assert info.offers == ("grpc", "shm", "collective")
     assert (info.node_id, info.device_kind) == (node_id(), "cpu")  # another process, this host
+
+
+SMALL_SHM = """
+import sys
+from pdcluster.errors import KVTransferError
+from pdcluster.kv_transfer.transports.segments import Segment, SEGMENT_PREFIX
+from pdcluster.kv_transfer.transports.shm_server import check_ring_budget
+try:
+    Segment(SEGMENT_PREFIX + "1-" + "0" * 16, 8 << 20, create=True)
+except KVTransferError as exc:
+    print("segment:", exc)
+try:
+    check_ring_budget(8 << 20, 1)
+except KVTransferError as exc:
+    print("budget:", exc)
+"""
+
+
+def test_a_full_dev_shm_is_a_clear_error_when_a_ring_is_made_not_a_sigbus_later():
+    """In a mount namespace of its own, /dev/shm is a 1 MiB tmpfs: an 8 MiB segment is refused
+    when it is made (its pages are allocated then), and the producer's start-up budget check
+    names the shortfall."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) for a private /dev/shm")
+    script = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && {sys.executable} -c '{SMALL_SHM}'"
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(
+        line.startswith("segment: cannot allocate 8388608 bytes of shared memory in /dev/shm") for line in lines
+    ), lines
+    assert any(line.startswith("budget: /dev/shm has") and "one shm ring needs 8388608" in line for line in lines), (
+        lines
+    )

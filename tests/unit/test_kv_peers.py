@@ -246,3 +246,22 @@ def test_foreign_bytes_on_the_pairs_sockets_neither_join_nor_break_a_pair(produc
         owner.close()
     dst = [11, 12, 13, 14, 15]
     assert_copied(pull("collective", producer_process, "req-a", dst, direct=False)[0], "req-a", dst)
+
+
+def test_a_new_session_unmaps_the_segments_of_the_producer_that_forgot_us(producer_process):
+    """After a producer restart (a new session), its old segments are only memory we keep alive:
+    the client unmaps them."""
+    client = create_transport("shm", settings()).connect(producer_process)
+    try:
+        consumer = make_cache(fill="zeros")
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin([3, 4])
+        client.pull("req-c", REQUESTS["req-c"], scatterer.write, engine_id="decode-0", timeout_s=20)
+        assert client._segments  # the ring's segment, mapped
+        with client.control._lock:
+            client.control._session = None  # what StaleSessionError does (rpc.ControlChannel.call)
+        client.control.session()
+        assert client._segments == {}
+    finally:
+        client.close()

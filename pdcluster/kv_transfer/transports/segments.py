@@ -2,7 +2,9 @@
 
 A producer creates a segment per ring (O_EXCL: it never adopts a file someone else made) and
 unlinks it when its server stops; a consumer maps a segment it was told of, read-only. Names are
-random and only ever sent in reply to an authenticated call.
+random and only ever sent in reply to an authenticated call. A segment's pages are allocated when
+it is made (posix_fallocate): a full /dev/shm is a clear error then, not a SIGBUS at the first
+write into a page tmpfs cannot back.
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ class Segment:
             fd = os.open(self.path, os.O_RDONLY)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    raise KVTransferError(
+                        f"cannot allocate {size} bytes of shared memory in {SHM_DIR} ({exc.strerror}; "
+                        f"{free_bytes()} free): enlarge it (e.g. docker --shm-size) or use kv_transfer.backend grpc"
+                    ) from None
             elif os.fstat(fd).st_size < size:
                 raise KVTransferError(
                     f"shared-memory segment {name} has {os.fstat(fd).st_size} bytes, the producer announced {size}"
@@ -68,6 +76,16 @@ class Segment:
             os.unlink(self.path)
         except FileNotFoundError:
             return
+
+
+def free_bytes() -> int:
+    """What /dev/shm can still hold."""
+    stats = os.statvfs(SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
+
+
+def ring_bytes(slot_bytes: int) -> int:
+    return SLOTS * (-(-slot_bytes // _PAGE) * _PAGE)
 
 
 class Ring:

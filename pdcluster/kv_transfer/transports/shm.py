@@ -87,9 +87,17 @@ class ShmClient(GrpcClient):
         self.control.on_new_session.append(self._new_session)
 
     def _new_session(self) -> None:
-        """The producer forgot us (restarted): its registration and addresses are gone."""
+        """The producer forgot us (restarted): its registration, addresses and segments are gone
+        (a dead producer's segments stay in memory while we map them)."""
         self._forget_registration()
         self._peer = None
+        self._unmap()
+
+    def _unmap(self) -> None:
+        with self._segments_lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
 
     def _forget_registration(self) -> None:
         self._registration = ""
@@ -330,10 +338,7 @@ class ShmClient(GrpcClient):
         return reader
 
     def close(self) -> None:
-        with self._segments_lock:
-            segments, self._segments = list(self._segments.values()), {}
-        for segment in segments:
-            segment.close()
+        self._unmap()
         self._forget_registration()
         super().close()
 
@@ -342,7 +347,7 @@ class ShmTransport(Transport):
     name = "shm"
 
     def server_extension(self, producer: KVProducer, host: str) -> ShmExtension:
-        return ShmExtension(producer)
+        return ShmExtension(producer, self.settings.server_threads)
 
     def connect(self, endpoint: str) -> TransportClient:
         return ShmClient(endpoint, self.settings)

@@ -21,10 +21,30 @@ from pdcluster.kv_transfer.staging import Pool
 from pdcluster.kv_transfer.transports import cma, peers, rpc
 from pdcluster.kv_transfer.transports.base import Authorize, ServerExtension
 from pdcluster.kv_transfer.transports.grpc_transport import pull_errors_abort, stream_pull
-from pdcluster.kv_transfer.transports.segments import SLOTS, Ring
+from pdcluster.kv_transfer.transports.segments import SHM_DIR, SLOTS, Ring, free_bytes, ring_bytes
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+
+def check_ring_budget(one_ring: int, concurrent_pulls: int) -> None:
+    """At start: /dev/shm must hold one ring (else a clear error now), and should hold one per
+    concurrent pull (else a warning: pulls beyond what fits fail when their ring is made)."""
+    free = free_bytes()
+    if free < one_ring:
+        raise KVTransferError(
+            f"{SHM_DIR} has {free} bytes free, one shm ring needs {one_ring}: enlarge it (e.g. docker "
+            "--shm-size) or use kv_transfer.backend grpc"
+        )
+    if free < one_ring * concurrent_pulls:
+        logger.warning(
+            "%s has %d bytes free: %d of %d concurrent shm pulls' rings (%d bytes each) fit",
+            SHM_DIR,
+            free,
+            free // one_ring,
+            concurrent_pulls,
+            one_ring,
+        )
 
 
 class _ConsumerGone(Exception):
@@ -77,9 +97,10 @@ class _Watched(_Consumed):
 
 
 class ShmExtension(ServerExtension):
-    def __init__(self, producer: KVProducer):
+    def __init__(self, producer: KVProducer, concurrent_pulls: int = 1):
         self.producer = producer
         slot_bytes = producer.cache.max_chunk_nbytes(producer.max_chunk_bytes)
+        check_ring_budget(ring_bytes(slot_bytes), concurrent_pulls)
         self._rings: list[Ring] = []
         self._lock = threading.Lock()
         self._closed = False
