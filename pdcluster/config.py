@@ -175,6 +175,13 @@ class RouterSection(_Model):
         description="Stream the prefill's first token at once; decode continues after it "
         "(streaming requests whose fields allow it; see README).",
     )
+    migration_limit: int = Field(
+        2,
+        ge=0,
+        le=16,
+        description="A stream whose decode replica fails mid-stream continues on another one, at most "
+        "this many times (0: it ends with an error event).",
+    )
     fault_injection: RouterFaultInjection = Field(default_factory=RouterFaultInjection, description="Tests/drills.")
 
     def read_api_keys(self) -> list[str]:

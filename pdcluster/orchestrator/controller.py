@@ -177,6 +177,7 @@ class Controller:
             max_model_len=cfg.model.max_model_len,
             tokenizer_path=cfg.model.tokenizer or cfg.model.path,
             first_token_from_prefill=cfg.router.first_token_from_prefill,
+            migration_limit=cfg.router.migration_limit,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
             engine_token=engine_http_token(self._secret),
             generation_defaults=generation_defaults(cfg.model.path),

@@ -174,6 +174,12 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.migrations = Counter(
+            "pdcluster_stream_migrations",
+            "Decode streams that broke mid-stream, by whether another decode replica continued them",
+            ["outcome"],
+            registry=r,
+        )
         router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
         router_rss.set_function(process_tree_rss)  # as `status` reports it
         r.register(_EngineCollector(engine_rows))

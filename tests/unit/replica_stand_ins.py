@@ -70,13 +70,17 @@ class Writer:
         )
         await self._writer.drain()
 
-    async def sse(self, events: list[str]) -> None:
-        """Each event ("data: ...") in its own chunk, as vLLM's server writes one per token."""
+    async def sse(self, events: list[str], *, then_hang_up: bool = False) -> None:
+        """Each event ("data: ...") in its own chunk, as vLLM's server writes one per token;
+        `then_hang_up`: the connection closes after them, mid-stream (a replica that died)."""
         self._writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         for event in events:
             data = (event + "\n\n").encode()
             self._writer.write(b"%x\r\n%s\r\n" % (len(data), data))
             await self._writer.drain()
+        if then_hang_up:
+            self._writer.close()
+            return
         self._writer.write(b"0\r\n\r\n")
         await self._writer.drain()
 

@@ -16,6 +16,7 @@ from pdcluster.orchestrator.router import Router, RouterSettings
 from tests.unit.replica_stand_ins import (
     ENGINE_TOKEN,
     LOOPS,
+    PROMPT_IDS,
     StandIn,
     decode_answer,
     hang_up,
@@ -270,3 +271,73 @@ def test_a_prefill_answer_without_a_usable_lease_is_an_upstream_error(serve):
         assert response.json()["error"]["type"] == "upstream_error" and why in response.json()["error"]["message"]
         assert decode.posts() == []
         assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="upstream_error"}') == 1
+
+
+# -- mid-stream failover ---------------------------------------------------------------------------
+
+
+def token_events(tokens: list[int], *, start: int = 0, prompt: list[int] | None = None, finish: bool = False):
+    """A decode replica's completions stream with token ids (what the router asks for)."""
+    events = []
+    for i, token in enumerate(tokens):
+        choice = {"index": 0, "text": f" t{token}", "finish_reason": None, "token_ids": [token]}
+        if i == 0 and prompt is not None:
+            choice["prompt_token_ids"] = prompt
+        if finish and i == len(tokens) - 1:
+            choice["finish_reason"] = "length"
+        events.append(
+            {"id": f"cmpl-{start}", "object": "text_completion", "created": 2, "model": "tiny", "choices": [choice]}
+        )
+    return [f"data: {json.dumps(e)}" for e in events]
+
+
+def dying_decode(tokens: list[int]):
+    async def answer(call, out):
+        await out.sse(token_events(tokens, prompt=PROMPT_IDS), then_hang_up=True)
+
+    return answer
+
+
+async def resuming_decode(call, out):
+    done = call.body["prompt"][len(PROMPT_IDS) :]
+    left = [100 + i for i in range(len(done), len(done) + call.body["max_tokens"])]
+    await out.sse(token_events(left, start=1, prompt=call.body["prompt"], finish=True) + ["data: [DONE]"])
+
+
+@pytest.mark.parametrize("first_token_from_prefill", [False, True])
+def test_a_decode_that_dies_mid_stream_is_continued_on_another_without_an_error(serve, first_token_from_prefill):
+    """The client's stream goes on where it broke: another decode replica continues from the
+    prompt plus the tokens already sent (their ids), with that many fewer to generate; the
+    client sees one stream, its own response id, no token ids it did not ask for."""
+    router = Router(
+        RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=first_token_from_prefill)
+    )
+    prefill, dying, survivor = StandIn(prefill_answer()), StandIn(dying_decode([100, 101])), StandIn(resuming_decode)
+    body = {**COMPLETION, "max_tokens": 6, "stream": True, "temperature": 0}
+    response, lines = serve(router, {"prefill-0": prefill, "decode-0": dying, "decode-1": survivor}, body, [])
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""], lines
+    events = data(lines)
+    assert not [e for e in events if "error" in e]
+    texts = [c["text"] for e in events for c in e["choices"]]
+    first = [" first"] if first_token_from_prefill else []
+    sent = [42, 100, 101] if first_token_from_prefill else [100, 101]
+    resumed_tokens = range(100 + len(sent), 100 + 6)  # the stand-in numbers tokens by position
+    assert texts == first + [" t100", " t101"] + [f" t{t}" for t in resumed_tokens]
+    assert not any("token_ids" in c or "prompt_token_ids" in c for e in events for c in e["choices"])
+    assert len({e["id"] for e in events}) == 1  # one response, as the client's own
+    [resumed] = survivor.posts()
+    assert resumed.body["prompt"] == PROMPT_IDS + sent and resumed.body["max_tokens"] == 6 - len(sent)
+    assert "kv_transfer_params" not in resumed.body  # the survivor computes the prefix itself
+    assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
+
+
+@pytest.mark.parametrize(("change", "limit"), [({"stop": ["\n"]}, 2), ({}, 0)])
+def test_a_stream_that_cannot_migrate_ends_with_an_error_event(serve, change, limit):
+    """A request whose meaning would not survive the split (a stop string), or migration off."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, migration_limit=limit))
+    prefill, dying, survivor = StandIn(prefill_answer()), StandIn(dying_decode([100, 101])), StandIn(resuming_decode)
+    body = {**COMPLETION, "max_tokens": 6, "stream": True, "temperature": 0, **change}
+    response, lines = serve(router, {"prefill-0": prefill, "decode-0": dying, "decode-1": survivor}, body, [])
+    errors = [e for e in data(lines) if "error" in e]
+    assert len(errors) == 1 and "failed mid-stream" in errors[0]["error"]["message"]
+    assert survivor.posts() == []

@@ -191,7 +191,10 @@ def decode_body(
     out["max_tokens"] = None if limit is None else limit - 1
     if body.get("min_tokens"):
         out["min_tokens"] = max(0, int(body["min_tokens"]) - 1)
-    out.update(prompt=[*first.prompt_ids, first.token_id], stream=True, kv_transfer_params=kv_params)
+    # the token ids let the stream move to another decode replica if this one fails (migration.py)
+    out.update(
+        prompt=[*first.prompt_ids, first.token_id], stream=True, kv_transfer_params=kv_params, return_token_ids=True
+    )
     return out
 
 
@@ -239,14 +242,14 @@ def prelude(first: FirstToken, kind: str, body: dict[str, Any]) -> list[dict[str
     return events
 
 
-def rewrite(event: dict[str, Any], kind: str, first: FirstToken) -> dict[str, Any]:
-    """One (parsed, not an error) event of the continuation, as the client's request would have
-    produced it: the prefill's response id, the chat format for chat requests, usage counting the
-    first token."""
+def rewrite(event: dict[str, Any], kind: str, first: FirstToken, generated: int = 1) -> dict[str, Any]:
+    """One (parsed, not an error) event of a continuation after `generated` tokens the client
+    already has, as the client's request would have produced it: the first response's id, the
+    chat format for chat requests, usage counting those tokens."""
     usage = event.get("usage")
     if usage:
-        usage["prompt_tokens"] = usage.get("prompt_tokens", 1) - 1
-        usage["completion_tokens"] = usage.get("completion_tokens", 0) + 1
+        usage["prompt_tokens"] = usage.get("prompt_tokens", generated) - generated
+        usage["completion_tokens"] = usage.get("completion_tokens", 0) + generated
     choices = event.get("choices") or []
     if kind == "chat":
         choices = [

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import random
 import time
 import uuid
@@ -47,11 +48,13 @@ from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
-from pdcluster.orchestrator.router import continuation
+from pdcluster.orchestrator.router import continuation, migration
 from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
 from pdcluster.orchestrator.router.relay import (
     Relay,
     RelayResponse,
+    Rewrite,
+    StreamBroke,
     TokenClock,
     closing,
     error_event,
@@ -67,6 +70,8 @@ from pdcluster.orchestrator.router.upstream import (
     ReachedThenFailed,
     post,
 )
+
+logger = logging.getLogger(__name__)
 
 # Fields of the client's request that the prefill (one token, not streamed) must not get.
 PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo")
@@ -271,6 +276,9 @@ class PhaseRunner:
         assert self.http is not None and h.answering is not None
         replica = h.answering
         body = h.body if h.params is None else {**h.body, "kv_transfer_params": h.params}
+        progress = self._progress(h)
+        if progress is not None:
+            body = {**body, "return_token_ids": True}  # what a migration continues from
         upstream = await post(self.http, replica, h.path, body, h.stream, h.request_id)
         headers = h.served_by()
         if not h.stream:
@@ -286,7 +294,86 @@ class PhaseRunner:
             return Response(content, status_code=upstream.status_code, media_type="application/json", headers=headers)
         relay = Relay(h, upstream)
         clock = TokenClock(self.metrics, replica.replica_id, h.started)
-        return RelayResponse(closing(relay, relay_events(upstream, replica.replica_id, h, clock)), relay, headers)
+        return RelayResponse(closing(relay, self._relayed(h, relay, upstream, clock, None, progress)), relay, headers)
+
+    def _progress(self, h: Handoff) -> migration.Progress | None:
+        """A decode stream that may migrate mid-stream gets its progress tracked (migration.py)."""
+        if not (self.settings.disaggregated and self.settings.migration_limit > 0):
+            return None
+        if not migration.resumable(h.body, h.kind, self.settings.generation_defaults):
+            return None
+        return migration.Progress.after_first_token(h.first) if h.first is not None else migration.Progress()
+
+    async def _relayed(
+        self,
+        h: Handoff,
+        relay: Relay,
+        upstream: httpx.Response,
+        clock: TokenClock,
+        rewrite: Rewrite | None,
+        progress: migration.Progress | None,
+    ) -> AsyncIterator[bytes]:
+        """The decode replica's stream to the client; if it breaks mid-stream, the rest comes from
+        another decode replica, up to `migration_limit` times (migration.py)."""
+        moves = 0
+        while True:
+            assert h.answering is not None
+            failed = h.answering
+            try:
+                async for chunk in relay_events(upstream, failed.replica_id, h, clock, rewrite, progress):
+                    yield chunk
+                return
+            except StreamBroke as broke:
+                cause: BaseException = broke.cause
+            assert progress is not None and progress.header is not None
+            moved: httpx.Response | None = None
+            while moved is None and moves < self.settings.migration_limit:
+                moves += 1
+                try:
+                    moved = await self._migrate(h, relay, progress, failed)
+                except NoReplicaError as exc:
+                    cause = exc
+                    break
+                except (PDClusterError, PhaseFailed, httpx.HTTPError) as exc:
+                    cause, failed = exc, h.answering or failed
+            if moved is None:
+                self.metrics.migrations.labels("failed").inc()
+                h.outcome = "upstream_error"
+                yield error_event(mid_stream_error(failed.replica_id, cause), "upstream_error", 502)
+                return
+            self.metrics.migrations.labels("ok").inc()
+            upstream = moved
+            rewrite = functools.partial(
+                continuation.rewrite, kind=h.kind, first=progress.header, generated=len(progress.generated)
+            )
+
+    async def _migrate(
+        self, h: Handoff, relay: Relay, progress: migration.Progress, failed: ReplicaLoad
+    ) -> httpx.Response:
+        """Continue the stream on another decode replica: its answer's headers are in."""
+        assert self.http is not None
+        if relay.upstream is not None:
+            await relay.upstream.aclose()
+            relay.upstream = None
+        h.drop(failed)
+        h.excluded.setdefault("decode", []).append(failed.replica_id)
+        h.answering = h.choose("decode")  # NoReplicaError when none is left
+        body = migration.resume_body(h.body, h.kind, progress, self.settings.generation_defaults)
+        logger.warning(
+            "decode replica %s failed mid-stream after %d tokens; continuing on %s",
+            failed.replica_id,
+            len(progress.generated),
+            h.answering.replica_id,
+        )
+        upstream = await post(self.http, h.answering, continuation.CONTINUATION_PATH, body, True, h.request_id)
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            raise ReplicaError(
+                f"decode replica {h.answering.replica_id} refused the migrated stream: {content[:200]!r}"
+            )
+        relay.upstream = upstream
+        return upstream
 
     def _continuation(self, h: Handoff) -> Response:
         """Stream the prefill's first token now; the decode replica's continuation follows. The
@@ -324,14 +411,13 @@ class PhaseRunner:
                     self.recover(h, failure)
                     self._dispatch(h, relay, body)
             relay.upstream = upstream
-            decode = h.answering
             if upstream.status_code != 200:
                 raw = await upstream.aread()
                 h.outcome = outcome_for(upstream.status_code, raw)
                 yield f"data: {raw.decode(errors='replace')}\n\n".encode()
                 return
             rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first)
-            async for chunk in relay_events(upstream, decode.replica_id, h, clock, rewrite):
+            async for chunk in self._relayed(h, relay, upstream, clock, rewrite, self._progress(h)):
                 yield chunk
         except httpx.HTTPError as exc:  # the decode replica's answer did not come (a timeout)
             h.outcome = "upstream_error"

@@ -19,6 +19,7 @@ from pdcluster.orchestrator.metrics import RouterMetrics
 
 if TYPE_CHECKING:
     from pdcluster.orchestrator.router.handoff import Handoff
+    from pdcluster.orchestrator.router.migration import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,14 @@ async def closing(relay: Relay, chunks: AsyncIterator[bytes]) -> AsyncIterator[b
         await relay.close()
 
 
+class StreamBroke(Exception):
+    """The upstream broke mid-stream and what the client has can be continued elsewhere."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 def error_outcome(error: Any) -> str:
     """The `pdcluster_requests_total` outcome of a replica's error answer: a decode engine whose
     KV pull failed says so itself (engine/kv_errors.py)."""
@@ -154,10 +163,12 @@ async def relay_events(
     handoff: Handoff,
     clock: TokenClock,
     rewrite: Rewrite | None = None,
+    progress: Progress | None = None,
 ) -> AsyncIterator[bytes]:
     """The replica's SSE events to the client: each event rewritten (`rewrite`: a continuation as
     the client's own request), an error event counted by what it is, a broken upstream ended
-    with an error event.
+    with an error event, or, when `progress` (what the client has, migration.py) can be resumed,
+    with StreamBroke for the caller to continue the stream elsewhere.
 
     Every complete event of one upstream read leaves in one write: nothing waits for more input,
     and the client is not woken once per line (each write is a syscall here and a read there, on
@@ -166,19 +177,23 @@ async def relay_events(
     try:
         async for data in upstream.aiter_bytes():
             if batch := events.feed(data):
-                yield _relay_batch(batch, handoff, clock, rewrite)
+                yield _relay_batch(batch, handoff, clock, rewrite, progress)
         if batch := events.flush():
-            yield _relay_batch(batch, handoff, clock, rewrite)
+            yield _relay_batch(batch, handoff, clock, rewrite, progress)
     except (httpx.HTTPError, OSError) as exc:
-        handoff.outcome = "upstream_error"
         logger.error("stream from %s broke: %s", replica_id, exc)
+        if progress is not None and progress.can_resume:
+            raise StreamBroke(exc) from exc
+        handoff.outcome = "upstream_error"
         yield error_event(mid_stream_error(replica_id, exc), "upstream_error", 502)
     except asyncio.CancelledError:
         handoff.outcome = "cancelled"  # client went away; closing upstream aborts the engine request
         raise
 
 
-def _relay_batch(batch: list[list[str]], handoff: Handoff, clock: TokenClock, rewrite: Rewrite | None) -> bytes:
+def _relay_batch(
+    batch: list[list[str]], handoff: Handoff, clock: TokenClock, rewrite: Rewrite | None, progress: Progress | None
+) -> bytes:
     out: list[str] = []
     tokens = 0
     for event in batch:
@@ -193,8 +208,12 @@ def _relay_batch(batch: list[list[str]], handoff: Handoff, clock: TokenClock, re
                         handoff.outcome = error_outcome(data["error"])
                     else:
                         tokens += has_token(data)
+                        if progress is not None:
+                            data = progress.observe(data)
                         if rewrite is not None:
-                            line = "data: " + json.dumps(rewrite(data))
+                            data = rewrite(data)
+                        if progress is not None or rewrite is not None:
+                            line = "data: " + json.dumps(data)
             out.append(line)
             out.append("\n")
         out.append("\n")

@@ -1,0 +1,98 @@
+"""Mid-stream decode failover: a stream whose decode replica dies goes on on another one.
+
+The router asks every decode stream for its token ids (`return_token_ids`) and keeps, per
+stream, the prompt's ids and the ids of every token already relayed to the client (`Progress`).
+When the upstream breaks before the answer finished, another decode replica is asked to continue
+from exactly there: a completions request over the prompt plus those tokens, that many fewer to
+generate (`resume_body`); it computes that prefix itself (no prefill, no lease) and its events are
+rewritten as the client's own stream (continuation.rewrite: the first response's id, chat format
+for chat, usage counting what came before). Greedy output is the same token for token as an
+undisturbed run. The ids are stripped from what the client gets.
+
+Only requests whose meaning survives the split migrate (the continuation path's rules, without a
+seed: a resumed sampler would start a fresh generator); others end with an SSE error event, as
+do streams past `router.migration_limit` migrations or with no decode replica left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.orchestrator.router import continuation
+
+TOKEN_FIELDS = ("token_ids", "prompt_token_ids", "prompt_text")
+
+
+def resumable(body: dict[str, Any], kind: str, defaults: dict[str, Any]) -> bool:
+    """Can a broken stream of this request continue on another decode replica?"""
+    if body.get("stream") is not True:
+        return False
+    # continuable() also asks for two tokens at least: a broken one-token stream has none left.
+    limit = continuation.output_limit(continuation.with_defaults(body, kind, defaults), kind)
+    return continuation.continuable({**body, "max_tokens": None, "max_completion_tokens": None}, kind, defaults) and (
+        limit is None or limit >= 1
+    )
+
+
+@dataclass
+class Progress:
+    """What of one stream the client already has."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False  # an event carried a finish_reason: nothing is left to generate
+    header: continuation.FirstToken | None = None  # the first response's id, created, model
+
+    @classmethod
+    def after_first_token(cls, first: continuation.FirstToken) -> Progress:
+        return cls(list(first.prompt_ids), [first.token_id], header=first)
+
+    def observe(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Note an event of the stream (as the replica sent it) and return it as the client gets
+        it: without the ids the router asked for (a request that asks for them itself does not
+        migrate: `return_token_ids` is not a continuable field)."""
+        prompt = event.get("prompt_token_ids")
+        for choice in event.get("choices") or ():
+            prompt = prompt or choice.get("prompt_token_ids")
+            self.generated.extend(int(t) for t in choice.get("token_ids") or ())
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        if prompt and not self.prompt_ids:
+            self.prompt_ids = [int(t) for t in prompt]
+        if self.header is None and event.get("id"):
+            self.header = continuation.FirstToken(
+                token_id=-1,
+                text="",
+                prompt_ids=self.prompt_ids,
+                response_id=str(event["id"]),
+                created=int(event.get("created", 0)),
+                model=str(event.get("model", "")),
+            )
+        for key in TOKEN_FIELDS:
+            event.pop(key, None)
+        for choice in event.get("choices") or ():
+            for key in TOKEN_FIELDS:
+                choice.pop(key, None)
+        return event
+
+    @property
+    def can_resume(self) -> bool:
+        return bool(self.prompt_ids) and self.header is not None and not self.finished
+
+
+def resume_body(body: dict[str, Any], kind: str, progress: Progress, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The request that continues a broken stream on another decode replica."""
+    body = continuation.with_defaults(body, kind, defaults)
+    out = {
+        key: value
+        for key, value in body.items()
+        if key in continuation.CONTINUABLE_FIELDS and key not in ("max_tokens", "max_completion_tokens", "min_tokens")
+    }
+    done = len(progress.generated)
+    limit = continuation.output_limit(body, kind)
+    out["max_tokens"] = None if limit is None else max(1, limit - done)
+    if body.get("min_tokens"):
+        out["min_tokens"] = max(0, int(body["min_tokens"]) - done)
+    out.update(prompt=[*progress.prompt_ids, *progress.generated], stream=True, return_token_ids=True)
+    return out
