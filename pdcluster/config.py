@@ -168,7 +168,9 @@ class RouterSection(_Model):
     )
     api_keys: list[str] = Field(default_factory=list, description="Accepted Bearer keys (empty: open).")
     api_keys_file: str | None = Field(None, description="File with one API key per line.")
-    request_timeout_seconds: float = Field(600, gt=0, description="Upper bound on one request.")
+    request_timeout_seconds: float = Field(
+        600, gt=0, le=86400, description="Upper bound on one whole request (and on each read from a replica)."
+    )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
     first_token_from_prefill: bool = Field(
         True,

@@ -2,8 +2,10 @@
 
 It creates the router actor and one worker actor per replica (prefill/decode/aggregated), starts
 their engines concurrently and publishes each replica to the router only once it is READY. A
-monitor loop refreshes engine stats (pushed to the router for /metrics and routing) and marks
-unreachable replicas DEAD. `scale(role, n)` adds replicas (traffic once ready) or drains some
+monitor loop refreshes engine stats (pushed to the router for /metrics and routing), marks
+replicas DEAD (their actor gone, their engine dead, or HEALTH_FAILURES health checks in a row
+unanswered) and refills the empty replica slots of each role (reconcile.py: a slot's restarts
+are budgeted and paused, and a replica that failed to start is retried later). `scale(role, n)` adds replicas (traffic once ready) or drains some
 (no new requests; stopped once nothing is in flight and, for prefill, no KV lease is held).
 `status()` is what `pdcluster status` prints. Worker actors are owned by the controller, so they
 share its fate; `shutdown()` stops engines gracefully before their actors are killed.
@@ -25,6 +27,7 @@ from pdcluster.engine.spec import EngineSpec
 from pdcluster.errors import ConfigError
 from pdcluster.keys import engine_http_token
 from pdcluster.logs import setup_logging
+from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import RouterActor, RouterSettings
 
@@ -32,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
 INFO_TIMEOUT_S = 10.0
-RESTART_WINDOW_S = 300
-MAX_RESTARTS_PER_WINDOW = 5
 
 
 def controller_name(cluster: str) -> str:
@@ -45,6 +46,7 @@ class Replica:
     replica_id: str
     role: RoleName
     index: int
+    slot: int  # its place among the role's replicas (reconcile.py): a replacement takes it over
     spec: EngineSpec
     state: ReplicaState = ReplicaState.STARTING
     stage: str = "pending"
@@ -55,6 +57,7 @@ class Replica:
     info: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     ready_at: float | None = None
+    health: Health = field(default_factory=Health)
     task: asyncio.Task | None = None
     transitions: list[tuple[float, str]] = field(default_factory=list)
 
@@ -149,7 +152,8 @@ class Controller:
         self._secret = secret
         self._given_api_keys = api_keys
         self._retired: list[Replica] = []
-        self._restarts: dict[str, list[float]] = {role: [] for role in ("prefill", "decode", "aggregated")}
+        self._budget = RestartBudget()
+        self._refused: set[tuple[str, int, str]] = set()  # restart refusals logged (once each)
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self._counters = {role: itertools.count() for role in self.pools}
         self.router = None
@@ -188,9 +192,7 @@ class Controller:
             .remote(settings)
         )
         self.endpoint = await self.router.start.remote(cfg.router.host, cfg.router.port)
-        for role in cfg.serving_roles():
-            for _ in range(cfg.role(role).replicas):
-                self._add_replica(role)
+        self._reconcile()
         self._monitor = asyncio.create_task(self._monitor_loop())
         return self.endpoint
 
@@ -199,11 +201,13 @@ class Controller:
             return list(self._given_api_keys)
         return self.config.router.read_api_keys()
 
-    def _add_replica(self, role: RoleName) -> Replica:
+    def _add_replica(self, role: RoleName, slot: int) -> Replica:
         index = next(self._counters[role])
         replica_id = f"{role}-{index}"
-        spec = engine_spec(self.config, role, index, replica_id)
-        replica = Replica(replica_id, role, index, spec)
+        spec = engine_spec(self.config, role, slot, replica_id)  # the slot's cores (cpu_bind)
+        replica = Replica(replica_id, role, index, slot, spec)
+        self._budget.started((role, slot), time.monotonic())
+        self._refused = {key for key in self._refused if key[:2] != (role, slot)}
         replica.set_state(ReplicaState.STARTING)
         self.pools[role].append(replica)
         replica.task = asyncio.create_task(self._start_replica(replica))
@@ -269,21 +273,27 @@ class Controller:
                 try:
                     replica.info = await asyncio.wait_for(ref, INFO_TIMEOUT_S)
                     problem = None if replica.info.get("healthy", True) else "engine died"
-                except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
-                    problem = f"unreachable: {type(exc).__name__}"
+                    replica.health.checked(True)
+                except ray.exceptions.RayActorError as exc:
+                    problem = f"unreachable: {type(exc).__name__}"  # its actor is gone
+                except asyncio.TimeoutError:
+                    # One slow answer is not a death: only HEALTH_FAILURES in a row.
+                    dead = replica.health.checked(False)
+                    problem = f"{HEALTH_FAILURES} health checks unanswered in {INFO_TIMEOUT_S:.0f} s" if dead else None
                 if problem and replica.state == ReplicaState.READY:
                     replica.error = problem
                     replica.stage = "dead"
                     replica.set_state(ReplicaState.DEAD)
                     logger.error("replica %s is dead: %s", replica.replica_id, problem)
                     self._replace(replica)
+            self._reconcile()
             await self._publish()
             self._changed.clear()
             await asyncio.sleep(MONITOR_INTERVAL_S)  # polling interval of the health monitor
 
     def _replace(self, dead: Replica) -> None:
-        """A serving replica died: retire it (its actor is killed) and start a replacement,
-        unless the pool is already at its configured size or restarts are looping."""
+        """A serving replica died: retire it (its actor is killed); the next reconcile refills
+        its slot (at once, unless the slot's restarts are looping)."""
         import ray
 
         if self._stopping:
@@ -295,18 +305,29 @@ class Controller:
         if dead.actor is not None:
             ray.kill(dead.actor, no_restart=True)  # also takes down a hung engine
             dead.actor = None
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Start replicas into the empty slots of every role, as far as their budget allows; a
+        replica that failed to start leaves the pool (for `retired`) when its slot is retried."""
+        if self._stopping:
+            return
         now = time.monotonic()
-        recent = [t for t in self._restarts[dead.role] if now - t < RESTART_WINDOW_S]
-        self._restarts[dead.role] = recent
-        active = [r for r in pool if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
-        if len(active) >= self.config.role(dead.role).replicas:
-            return
-        if len(recent) >= MAX_RESTARTS_PER_WINDOW:
-            logger.error("not restarting %s: %d restarts in the last %d s", dead.role, len(recent), RESTART_WINDOW_S)
-            return
-        self._restarts[dead.role].append(now)
-        replacement = self._add_replica(dead.role)
-        logger.warning("replica %s died; starting %s", dead.replica_id, replacement.replica_id)
+        for role in self.config.serving_roles():
+            pool = self.pools[role]
+            active = {r.slot for r in pool if r.state in (ReplicaState.STARTING, ReplicaState.READY)}
+            for slot in missing_slots(active, self.config.role(role).replicas):
+                refusal = self._budget.refusal((role, slot), now)
+                if refusal is not None:
+                    if (role, slot, refusal.split()[0]) not in self._refused:
+                        self._refused.add((role, slot, refusal.split()[0]))
+                        logger.error("not restarting %s slot %d yet: %s", role, slot, refusal)
+                    continue
+                for failed in [r for r in pool if r.slot == slot and r.state == ReplicaState.DEAD]:
+                    pool.remove(failed)
+                    self._retired.append(failed)
+                replacement = self._add_replica(role, slot)
+                logger.info("starting %s in %s slot %d", replacement.replica_id, role, slot)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """True once every replica started (ready or dead) and the router can serve."""
@@ -334,8 +355,11 @@ class Controller:
         async with self._lock:
             active = [r for r in self.pools[role] if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
             added, draining = [], []
-            for _ in range(replicas - len(active)):
-                added.append(self._add_replica(role).replica_id)
+            if replicas > len(active):
+                before = {r.replica_id for r in self.pools[role]}
+                self.config.role(role).replicas = replicas
+                self._reconcile()
+                added = [r.replica_id for r in self.pools[role] if r.replica_id not in before]
             if replicas < len(active):
                 # Drop starting replicas first, then the least loaded ready ones.
                 inflight = await self.router.inflight.remote()

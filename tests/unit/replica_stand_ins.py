@@ -59,8 +59,14 @@ class Call:
 class Writer:
     """The stand-in's side of one answer."""
 
-    def __init__(self, writer: asyncio.StreamWriter):
-        self._writer = writer
+    def __init__(self, writer: asyncio.StreamWriter, reader: asyncio.StreamReader | None = None):
+        self._writer, self._reader = writer, reader
+
+    async def until_the_router_hangs_up(self) -> None:
+        """Answer nothing; return once the router closed the connection (it gave up on us)."""
+        assert self._reader is not None
+        while await self._reader.read(65536):
+            continue
 
     async def json(self, payload: dict, status: int = 200) -> None:
         data = json.dumps(payload).encode()
@@ -70,9 +76,10 @@ class Writer:
         )
         await self._writer.drain()
 
-    async def sse(self, events: list[str], *, then_hang_up: bool = False) -> None:
+    async def sse(self, events: list[str], *, then_hang_up: bool = False, keep_open: bool = False) -> None:
         """Each event ("data: ...") in its own chunk, as vLLM's server writes one per token;
-        `then_hang_up`: the connection closes after them, mid-stream (a replica that died)."""
+        `then_hang_up`: the connection closes after them, mid-stream (a replica that died);
+        `keep_open`: the stream stays open after them, unfinished (a replica gone silent)."""
         self._writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         for event in events:
             data = (event + "\n\n").encode()
@@ -80,6 +87,8 @@ class Writer:
             await self._writer.drain()
         if then_hang_up:
             self._writer.close()
+            return
+        if keep_open:
             return
         self._writer.write(b"0\r\n\r\n")
         await self._writer.drain()
@@ -131,7 +140,7 @@ class StandIn:
                 if call.authorization != f"Bearer {ENGINE_TOKEN}":
                     await Writer(writer).json({"error": {"message": "no engine key", "code": 401}}, 401)
                     continue
-                await self.answer(call, Writer(writer))
+                await self.answer(call, Writer(writer, reader))
         except (asyncio.IncompleteReadError, ConnectionError):
             return  # the router closed its connection: nothing more to answer
         finally:

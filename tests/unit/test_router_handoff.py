@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 
+import httpx
 import pytest
 
 from pdcluster.orchestrator.replicas import ReplicaState
@@ -341,3 +342,100 @@ def test_a_stream_that_cannot_migrate_ends_with_an_error_event(serve, change, li
     errors = [e for e in data(lines) if "error" in e]
     assert len(errors) == 1 and "failed mid-stream" in errors[0]["error"]["message"]
     assert survivor.posts() == []
+
+
+def test_a_stream_on_a_replica_declared_dead_moves_at_once_instead_of_waiting_for_a_timeout():
+    """A decode replica that stops answering mid-stream (alive, silent: no read error would
+    come before the 600 s timeout) is declared dead by the controller: the router cuts its
+    connections, never chooses it again, and the stream continues on another replica."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
+    prefill, survivor = StandIn(prefill_answer()), StandIn(resuming_decode)
+
+    async def silent_after_two(call, out):
+        await out.sse(token_events([100, 101], prompt=PROMPT_IDS), keep_open=True)
+        await asyncio.Event().wait()  # alive, and silent from here on
+
+    stuck = StandIn(silent_after_two)
+
+    async def scenario():
+        url = await running(router, prefill, stuck, survivor)
+        rows = {
+            "prefill-0": row("prefill-0", "prefill", prefill.url),
+            "decode-1": row("decode-1", "decode", survivor.url),
+        }
+        router.update_replicas([rows["prefill-0"], row("decode-0", "decode", stuck.url)])
+        body = {**COMPLETION, "max_tokens": 6, "stream": True, "temperature": 0}
+        texts = []
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            texts += [c["text"] for c in json.loads(line[6:])["choices"]]
+                        if len(texts) == 2 and "decode-1" not in router.replicas:
+                            # what the controller's monitor does once decode-0 failed its checks
+                            router.update_replicas(list(rows.values()))
+        finally:
+            await router.stop()
+            for stand_in in (prefill, stuck, survivor):
+                stand_in.close()
+        return texts
+
+    texts = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert texts == [f" t{t}" for t in range(100, 106)]
+    assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
+
+
+def test_a_client_that_leaves_a_non_streamed_request_abandons_it_on_the_engine():
+    """The router's connection to the decode replica closes when its client goes away (vLLM
+    aborts a request whose connection closed): the engine does not work on for nobody."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    hung_up = asyncio.Event()
+
+    async def working_forever(call, out):
+        await out.until_the_router_hangs_up()
+        hung_up.set()
+
+    prefill, decode = StandIn(prefill_answer()), StandIn(working_forever)
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=1.0) as client:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/v1/completions", json=COMPLETION)  # the client gives up
+            await asyncio.wait_for(hung_up.wait(), 20)
+        finally:
+            await router.stop()
+            prefill.close()
+            decode.close()
+
+    asyncio.run(scenario())
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
+
+
+def test_a_stream_past_the_requests_deadline_ends_with_a_timeout_event(serve):
+    """router.request_timeout_seconds bounds the whole request, not only each read: a stream
+    whose tokens keep coming, but too slowly for the deadline, is ended."""
+    router = Router(
+        RouterSettings(
+            model_name="tiny", engine_token=ENGINE_TOKEN, request_timeout_s=1.5, first_token_from_prefill=False
+        )
+    )
+
+    async def slow(call, out):
+        events = token_events(list(range(100, 140)), prompt=PROMPT_IDS)
+        out._writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event in events:
+            data = (event + "\n\n").encode()
+            out._writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await out._writer.drain()
+            await asyncio.sleep(0.2)  # pacing: a token every 0.2 s, each read well within 1.5 s
+
+    body = {**COMPLETION, "max_tokens": 40, "stream": True}
+    response, lines = serve(router, {"prefill-0": StandIn(prefill_answer()), "decode-0": StandIn(slow)}, body, [])
+    events = data(lines)
+    assert events[-1]["error"]["code"] == 504 and "request_timeout_seconds" in events[-1]["error"]["message"]
+    assert 0 < len(events) - 1 < 40

@@ -42,6 +42,7 @@ class Router:
         self.phases = PhaseRunner(settings, self.pool, self.metrics)
         self._keys = [k.encode() for k in settings.api_keys]
         self.http: httpx.AsyncClient | None = None
+        self._transport: AsyncioTransport | None = None
         self.app = self._build_app()
         self._server = None
         self._serve_task: asyncio.Task | None = None
@@ -54,7 +55,13 @@ class Router:
         return self.pool.replicas
 
     def update_replicas(self, rows: list[dict[str, Any]]) -> None:
-        self.pool.update(rows)
+        """The controller's replica table. Requests still on a replica that left it (found dead)
+        get their connections cut at once: streams then move to another decode replica, other
+        requests recover or end, none waits for a read timeout."""
+        for url in self.pool.update(rows):
+            if self._transport is not None:
+                cut = self._transport.cut(url, "replica declared dead by the controller")
+                logger.warning("replica at %s left with requests on it: %d connections cut", url, cut)
 
     def inflight(self) -> dict[str, int]:
         return self.pool.inflight()
@@ -78,11 +85,12 @@ class Router:
         import uvicorn
 
         self.tokens.load_in_background()
+        self._transport = AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256))
         self.http = self.phases.http = httpx.AsyncClient(
             # Every call to a replica carries the engine key its HTTP app requires (http_auth.py).
             headers={"Authorization": f"Bearer {self.settings.engine_token}"},
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
-            transport=AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256)),
+            transport=self._transport,
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -163,7 +171,9 @@ class Router:
         h = self.phases.handoff(body, kind, started)
         try:
             h.tokens = await self.tokens.count(body, kind)
-            return await self.phases.serve(h)
+            if h.stream:
+                return await self.phases.serve(h)
+            return await self._answered(request, h)
         except NoReplicaError as exc:
             h.finish("no_replica", e2e=False)
             return error_response(503, str(exc), "service_unavailable")
@@ -176,6 +186,36 @@ class Router:
         except httpx.HTTPError as exc:
             h.finish("upstream_error", e2e=False)
             return error_response(502, f"upstream replica failed: {type(exc).__name__}: {exc}", "upstream_error")
+
+    async def _answered(self, request: Request, h) -> Response:
+        """A non-streamed request, within the total deadline (router.request_timeout_seconds), and
+        abandoned on both engines when its client goes away: cancelling it closes the engines'
+        connections, and vLLM aborts a request whose connection closed."""
+        serving = asyncio.ensure_future(self.phases.serve(h))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait(
+                {serving, gone}, timeout=self.settings.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            gone.cancel()
+        if serving in done:
+            return serving.result()
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        if gone in done:
+            h.finish("cancelled", e2e=False)
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        h.finish("timeout", e2e=False)
+        return error_response(
+            504, f"request exceeded router.request_timeout_seconds ({self.settings.request_timeout_s:g} s)", "timeout"
+        )
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client of a request whose body was read has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
 
 
 class _ApiKeyGuard:

@@ -104,6 +104,7 @@ class Handoff:
     tokens: int = 0  # estimated prompt tokens (load balancing)
     continuing: bool = False  # may take its first token from the prefill (continuation.py)
     local: bool = False  # decode computes the prompt itself (several choices): no prefill
+    deadline: float = float("inf")  # perf_counter() time the whole request must end by
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # sent as X-Request-Id
     prefill: ReplicaLoad | None = None  # the prefill replica of the latest pass
     answering: ReplicaLoad | None = None  # the replica whose answer the client gets (decode/aggregated)
@@ -179,7 +180,10 @@ class PhaseRunner:
             and continuation.continuable(body, kind, self.settings.generation_defaults)
         )
         local = self.settings.disaggregated and (body.get("n") or 1) > 1
-        return Handoff(body, kind, started, self.pool, self.metrics, continuing=continuing, local=local)
+        deadline = started + self.settings.request_timeout_s
+        return Handoff(
+            body, kind, started, self.pool, self.metrics, continuing=continuing, local=local, deadline=deadline
+        )
 
     async def serve(self, h: Handoff) -> Response:
         """The client's response. A streamed one owns the request's holds from here on (Relay);

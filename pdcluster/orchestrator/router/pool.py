@@ -28,10 +28,13 @@ class ReplicaPool:
         self.metrics = metrics
         self.replicas: dict[str, ReplicaLoad] = {}
         self.rows: list[dict[str, Any]] = []  # as the controller sent them (engine stats for /metrics)
+        self._cut: set[str] = set()  # replicas gone with requests on them, their connections cut
 
-    def update(self, rows: list[dict[str, Any]]) -> None:
+    def update(self, rows: list[dict[str, Any]]) -> list[str]:
         """Replace the replica table: rows of {replica_id, role, url, state, node, stats}. A
-        replica that left keeps its entry while requests still hold it."""
+        replica that left (the controller found it dead, or it was stopped) is never chosen
+        again; it keeps its entry while requests still hold it. Returns the URLs of the replicas
+        that left or died with requests on them (the router cuts those connections)."""
         seen = set()
         for row in rows:
             rid = row["replica_id"]
@@ -43,10 +46,20 @@ class ReplicaPool:
             current.state = ReplicaState(row["state"])
             current.node = row.get("node", "")
             current.meta = row
-        for rid in list(self.replicas):
-            if rid not in seen and self.replicas[rid].inflight_requests == 0:
+        cut = []
+        for rid, replica in list(self.replicas.items()):
+            left = rid not in seen
+            if left and replica.inflight_requests == 0:
                 del self.replicas[rid]
+                self._cut.discard(rid)
+                continue
+            if left or replica.state == ReplicaState.DEAD:
+                replica.state = ReplicaState.DEAD
+                if replica.inflight_requests and rid not in self._cut:
+                    self._cut.add(rid)
+                    cut.append(replica.url)
         self.rows = [dict(row) for row in rows]
+        return cut
 
     def choose(self, role: str, tried: Collection[str] = ()) -> ReplicaLoad:
         """A READY replica of `role` not in `tried`; NoReplicaError (503) naming them if none."""

@@ -178,6 +178,10 @@ async def relay_events(
         async for data in upstream.aiter_bytes():
             if batch := events.feed(data):
                 yield _relay_batch(batch, handoff, clock, rewrite, progress)
+            if time.perf_counter() > handoff.deadline:  # the whole request's bound, not one read's
+                handoff.outcome = "timeout"
+                yield error_event("request exceeded router.request_timeout_seconds", "timeout", 504)
+                return
         if batch := events.flush():
             yield _relay_batch(batch, handoff, clock, rewrite, progress)
     except (httpx.HTTPError, OSError) as exc:

@@ -50,7 +50,8 @@ def _as_httpx(exc: Exception) -> httpx.HTTPError:
 class _Protocol(asyncio.Protocol):
     """One connection's bytes as they arrive, and the one reader waiting for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_lost=None) -> None:
+        self._on_lost = on_lost  # the backend forgets the connection
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.eof = False
@@ -76,9 +77,17 @@ class _Protocol(asyncio.Protocol):
         return False  # close the transport: an HTTP/1.1 response never follows the peer's EOF
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.eof, self.error = True, exc
+        self.eof, self.error = True, self.error or exc
         self._wake_reader()
         self.resume_writing()
+        if self._on_lost is not None:
+            self._on_lost(self)
+
+    def cut(self, reason: str) -> None:
+        """End the connection now: its reader gets a ReadError naming `reason`."""
+        self.error = ConnectionAbortedError(reason)
+        if self.transport is not None:
+            self.transport.abort()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -183,6 +192,16 @@ class _Stream(httpcore.AsyncNetworkStream):
 
 
 class _Backend(httpcore.AsyncNetworkBackend):
+    def __init__(self) -> None:
+        self.open: dict[tuple[str, int], set[_Protocol]] = {}  # live connections per replica
+
+    def _lost(self, origin: tuple[str, int], protocol: _Protocol) -> None:
+        connections = self.open.get(origin)
+        if connections is not None:
+            connections.discard(protocol)
+            if not connections:
+                del self.open[origin]
+
     async def connect_tcp(
         self,
         host: str,
@@ -194,8 +213,12 @@ class _Backend(httpcore.AsyncNetworkBackend):
         loop = asyncio.get_running_loop()
         local = (local_address, 0) if local_address else None
         try:
+            origin = (host, port)
             transport, protocol = await asyncio.wait_for(
-                loop.create_connection(_Protocol, host, port, local_addr=local), timeout
+                loop.create_connection(
+                    lambda: _Protocol(lambda p: self._lost(origin, p)), host, port, local_addr=local
+                ),
+                timeout,
             )
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             raise httpcore.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
@@ -203,6 +226,7 @@ class _Backend(httpcore.AsyncNetworkBackend):
             raise httpcore.ConnectError(str(exc)) from exc
         for option in socket_options or ():
             transport.get_extra_info("socket").setsockopt(*option)
+        self.open.setdefault(origin, set()).add(protocol)
         return _Stream(transport, protocol)
 
     async def sleep(self, seconds: float) -> None:
@@ -229,12 +253,22 @@ class _ResponseStream(httpx.AsyncByteStream):
 
 class AsyncioTransport(httpx.AsyncBaseTransport):
     def __init__(self, limits: httpx.Limits):
+        self._backend = _Backend()
         self._pool = httpcore.AsyncConnectionPool(
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
-            network_backend=_Backend(),
+            network_backend=self._backend,
         )
+
+    def cut(self, url: str, reason: str) -> int:
+        """End every connection to the replica at `url` now (it was found dead: a request on it
+        must not wait for a read timeout); returns how many there were."""
+        parsed = httpx.URL(url)
+        connections = list(self._backend.open.get((parsed.host, parsed.port or 80), ()))
+        for protocol in connections:
+            protocol.cut(reason)
+        return len(connections)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         core = httpcore.Request(
