@@ -114,6 +114,13 @@ def write_card(model: Path, report: dict, mtp: dict) -> None:
         "rate above is higher than a real model's would be; P/D comparisons in tests and benchmarks",
         "use the same prompts on both sides, so they stay fair.",
         "",
+        "Its `generation_config.json` makes greedy the default (`temperature: 0.0`): sampled output",
+        "of a model this small is noise, and with MTP on, vLLM 0.32's CPU spec-decode sampling of",
+        "non-greedy requests is neither reproducible for a fixed `seed` nor close to the model's own",
+        "distribution (4 different texts, some control characters, for 4 identical seeded calls;",
+        "without MTP the same calls agree). `repetition_penalty: 1.2` avoids most loops (the README's",
+        "example) but is not a default: the drafter ignores penalties, and acceptance falls below 0.5.",
+        "",
         "## Samples (greedy, held-out prompts)",
         "",
     ]

@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
     (args.out / "config.json").write_text(json.dumps(hf_config(s, tokenizer), indent=2) + "\n")
     (args.out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": eot, "pad_token_id": eot}, indent=2) + "\n"
+        # greedy by default: see the model card's limitations (tools/model_card.py)
+        json.dumps({"eos_token_id": eot, "pad_token_id": eot, "temperature": 0.0}, indent=2) + "\n"
     )
     prompts = make_prompts(heldout_texts, tokenizer, 50, args.seed)
     with open(args.out / "heldout_prompts.jsonl", "w") as f:

@@ -87,13 +87,13 @@ def info(engine) -> dict:
         return client.get("/pdcluster/info").json()
 
 
-def handoff(prefill, decode, prompt, max_tokens):
+def handoff(prefill, decode, prompt, max_tokens, **extra):
     """What the router does: returns (decode response, the params P handed over)."""
-    first = complete(prefill, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    first = complete(prefill, prompt, 1, kv_transfer_params={"do_remote_decode": True}, **extra)
     assert first.status_code == 200, first.text
     params = first.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_block_ids"]
-    return complete(decode, prompt, max_tokens, kv_transfer_params=params), params
+    return complete(decode, prompt, max_tokens, kv_transfer_params=params, **extra), params
 
 
 def greedy(response: httpx.Response) -> Greedy:
@@ -209,6 +209,20 @@ def test_corrupt_kv_fails_the_identity_check(engines):
     with pytest.raises(AssertionError, match="drift|not a near-tie"):
         assert_same_greedy(expected, corrupt, DTYPE)
     print(f"block 0 pulled twice: {verdict.describe()}")
+
+
+def test_a_seeded_request_gives_one_engines_text_on_every_call(engines):
+    """Sampling with a seed through P/D (the classic path the router takes for it: decode samples
+    every token from the seed) is reproducible and equals one engine's. Without MTP: with it,
+    vLLM 0.32's CPU spec-decode sampling is not reproducible even on one engine (model card)."""
+    prompt = token_prompt(2 * BLOCK + 30, offset=4242)
+    seeded = {"temperature": 0.8, "seed": 1234, "ignore_eos": True}
+    expected = complete(engines["agg"], prompt, 24, **seeded).json()["choices"][0]["text"]
+    texts = {
+        handoff(engines["prefill"], engines["decode"], prompt, 24, **seeded)[0].json()["choices"][0]["text"]
+        for _ in range(2)
+    }
+    assert texts == {expected}
 
 
 def test_producer_blocks_are_freed_after_every_handoff(engines):

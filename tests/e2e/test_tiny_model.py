@@ -36,6 +36,11 @@ def test_loads_generates_and_mtp_is_accepted(tmp_path):
         assert response.status_code == 200, response.text
         texts = [c["text"] for c in response.json()["choices"]]
         stats = client.get("/pdcluster/info").json()["stats"]
+        # The README's first example: the model's own defaults (greedy) give the same code-shaped
+        # text on every call.
+        readme = {"model": "tiny", "prompt": "import os\n", "max_tokens": 48, "repetition_penalty": 1.2}
+        first, again = (client.post("/v1/completions", json=readme).json()["choices"][0]["text"] for _ in range(2))
+    assert first == again and "import" in first and len(set(first.split())) > 5, first
     assert len(texts) == 50 and all(texts)
     # Code-like: most continuations contain Python punctuation and keywords, not one token repeated.
     looks_like_code = sum(
