@@ -100,6 +100,20 @@ class LeaseTable:
                 if lease.release_requested:
                     self._finish(lease)
 
+    def renew(self, request_ids, seconds: float) -> int:
+        """Extend the leases a consumer still holds queued to `seconds` from now; how many it
+        still had (ended or unknown ones are skipped)."""
+        deadline = time.monotonic() + seconds
+        renewed = 0
+        with self._cond:
+            for request_id in request_ids:
+                lease = self._leases.get(request_id)
+                if lease is None or lease.state == LeaseState.RELEASED or lease.release_requested:
+                    continue
+                lease.deadline = max(lease.deadline, deadline)
+                renewed += 1
+        return renewed
+
     def release(self, request_id: str, transferred: bool) -> bool:
         """The consumer is done with the blocks. False when no such lease is held."""
         with self._cond:

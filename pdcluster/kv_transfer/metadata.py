@@ -5,6 +5,7 @@ Per step (scheduler -> worker, `PDConnectorMetadata`):
   new_leases  producer: finished prefills whose blocks are now held for a consumer to pull
   pulls       consumer: requests whose blocks were just allocated and must be pulled
   releases    consumer: producer leases to drop without pulling (local cache hit, aborted request)
+  renewals    consumer: leases of requests still queued here, to keep (every lease_seconds / 6)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class PullSpec:
     remote: KVParams
     remote_block_ids: tuple[int, ...]  # the producer blocks to read, in token order
     local_block_ids: tuple[int, ...]  # where they go, same order
+    renewed_until: float = 0.0  # unix time the consumer's renewals kept the lease to (0: none)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class PDConnectorMetadata(KVConnectorMetadata):
     new_leases: list[LeaseSpec] = field(default_factory=list)
     pulls: list[PullSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
+    renewals: list[KVParams] = field(default_factory=list)
 
 
 @dataclass

@@ -35,6 +35,7 @@ class KVProducer:
         *,
         max_chunk_bytes: int,
         lease_wait_s: float = 10.0,
+        lease_seconds: float = 30.0,
         faults: FaultInjector | None = None,
     ):
         self.cache = cache
@@ -44,6 +45,7 @@ class KVProducer:
         self.leases = LeaseTable()
         self.max_chunk_bytes = max_chunk_bytes
         self.lease_wait_s = lease_wait_s
+        self.lease_seconds = lease_seconds  # what a renewal extends a lease to
         self.faults = faults or FaultInjector()
         self._gatherers: Pool[BlockGatherer] = Pool(lambda: BlockGatherer(cache, max_chunk_bytes))
         self.bytes_sent = 0
@@ -104,3 +106,6 @@ class KVProducer:
 
     def release(self, request_id: str, transferred: bool) -> bool:
         return self.leases.release(request_id, transferred)
+
+    def renew(self, request_ids) -> int:
+        return self.leases.renew(request_ids, self.lease_seconds)

@@ -67,6 +67,11 @@ class ConnectorScheduler:
         self.prefill_backoff = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
         self.endpoints: list[str | None] = [None] * self.tp_size
         self._meta = PDConnectorMetadata()
+        # Consumer: leases of requests queued here (not yet pulled), renewed every
+        # lease_seconds / 6 so a long queue does not expire them (vLLM's NIXL heartbeat).
+        self._queued: dict[str, KVParams] = {}
+        self._renewed_until: dict[str, float] = {}
+        self._last_renewal = 0.0
         # Producer: the params it hands out are signed (params.py); decode verifies before dialing.
         self._params_key = derive_key(settings.secret_value(), KV_PARAMS) if is_producer else b""
 
@@ -85,6 +90,16 @@ class ConnectorScheduler:
         params = request.kv_transfer_params
         if self.is_producer and kvp.wants_remote_decode(params):
             self._truncate_for_prefill(request, params)
+        if self.is_consumer and kvp.wants_remote_prefill(params):
+            try:
+                self._queued[request.request_id] = KVParams.from_dict(params)
+            except ValueError:
+                return  # update_state_after_alloc says why, once
+
+    def _dequeue(self, request_id: str) -> float:
+        """The request's lease needs no more renewals; until when the renewals kept it."""
+        self._queued.pop(request_id, None)
+        return self._renewed_until.pop(request_id, 0.0)
 
     def _truncate_for_prefill(self, request: Request, params: dict[str, Any]) -> None:
         backoff = self.prefill_backoff
@@ -101,6 +116,12 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
         meta, self._meta = self._meta, PDConnectorMetadata()
+        now = time.time()
+        if self._queued and now - self._last_renewal >= self.settings.lease_seconds / 6:
+            self._last_renewal = now
+            meta.renewals = list(self._queued.values())
+            for request_id in self._queued:
+                self._renewed_until[request_id] = now + self.settings.lease_seconds
         return meta
 
     # -- consumer --------------------------------------------------------------------------
@@ -132,8 +153,10 @@ class ConnectorScheduler:
                 except ValueError as exc:
                     logger.warning("request %s: %s; computing its prompt locally", request.request_id, exc)
                 params[kvp.PULL_PLANNED] = True
+                self._dequeue(request.request_id)
             return
         params[kvp.PULL_PLANNED] = True
+        renewed_until = self._dequeue(request.request_id)
         if num_external_tokens <= 0:
             # Everything was in the local prefix cache: P's blocks are not needed.
             self._meta.releases.append(ReleaseSpec(lease, "local prefix cache hit"))
@@ -150,7 +173,7 @@ class ConnectorScheduler:
                 len(remote),
                 len(local),
             )
-        self._meta.pulls.append(PullSpec(request.request_id, lease, tuple(remote), tuple(local)))
+        self._meta.pulls.append(PullSpec(request.request_id, lease, tuple(remote), tuple(local), renewed_until))
 
     # -- producer (and consumer cleanup) -----------------------------------------------------
 
@@ -160,6 +183,8 @@ class ConnectorScheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        if self.is_consumer:
+            self._dequeue(request.request_id)
         if self.is_consumer and kvp.wants_remote_prefill(params) and not params.get(kvp.PULL_PLANNED):
             # Dropped before its blocks were allocated (abort, rejection): free P's blocks now
             # instead of leaving them to the lease timeout.

@@ -131,6 +131,7 @@ class ConnectorWorker:
                 self.engine_id,
                 max_chunk_bytes=self.settings.max_chunk_bytes,
                 lease_wait_s=self.settings.lease_wait_seconds,
+                lease_seconds=self.settings.lease_seconds,
                 faults=self.faults,
             )
             self.server = self._bind_server()
@@ -193,6 +194,8 @@ class ConnectorWorker:
                 self._submit_pull(pull)
             for release in meta.releases:
                 self._submit_release(release)
+            if meta.renewals:
+                self._submit_renewals(meta.renewals)
 
     def after_forward(self) -> None:
         """End of a step (target and draft forwards): remember what the producer must wait on."""
@@ -320,6 +323,30 @@ class ConnectorWorker:
         logger.debug("releasing %s without pulling: %s", spec.remote.remote_request_id, spec.reason)
         self._executor.submit(self._release, spec.remote, False)
 
+    def _submit_renewals(self, leases: list[KVParams]) -> None:
+        """Renew the leases of requests still queued here, one call per producer endpoint."""
+        assert self._executor is not None
+        by_endpoint: dict[str, list[str]] = {}
+        for lease in leases:
+            try:
+                endpoint = self._endpoint(lease)  # only what a producer of this cluster signed
+            except KVTransferError:
+                continue  # the pull will fail with the reason
+            by_endpoint.setdefault(endpoint, []).append(lease.remote_request_id)
+        for endpoint, request_ids in by_endpoint.items():
+            self._executor.submit(self._renew, endpoint, request_ids)
+
+    def _renew(self, endpoint: str, request_ids: list[str]) -> None:
+        try:
+            renewed = self._connection(endpoint, "grpc").renew(
+                request_ids, engine_id=self.engine_id, timeout_s=self.settings.release_timeout_seconds
+            )
+            logger.debug("renewed %d of %d queued leases on %s", renewed, len(request_ids), endpoint)
+        except Exception as exc:  # noqa: BLE001 - runs on the pull pool: nothing may escape unseen
+            logger.warning(
+                "renewing %d leases on %s failed: %s: %s", len(request_ids), endpoint, type(exc).__name__, exc
+            )
+
     def _pull(self, spec: PullSpec) -> PullResult:
         started = time.perf_counter()
         faults = self.faults
@@ -327,11 +354,11 @@ class ConnectorWorker:
         try:
             if faults.config.pull_delay_s:
                 time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
-            if time.time() > spec.remote.remote_lease_expiry:
+            expiry = max(spec.remote.remote_lease_expiry, spec.renewed_until)
+            if time.time() > expiry:
                 # The producer has freed (or is freeing) the blocks: dialing would only wait.
                 raise LeaseExpiredError(
-                    f"KV lease of {spec.remote.remote_request_id} expired "
-                    f"{time.time() - spec.remote.remote_lease_expiry:.1f} s ago: not pulled"
+                    f"KV lease of {spec.remote.remote_request_id} expired {time.time() - expiry:.1f} s ago: not pulled"
                 )
             client, _ = self._producer_client(spec.remote)  # a layout mismatch fails here
             if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:

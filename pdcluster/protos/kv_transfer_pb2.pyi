@@ -142,6 +142,20 @@ class ReleaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class RenewRequest(_message.Message):
+    __slots__ = ("request_ids", "consumer_engine_id")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    consumer_engine_id: str
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., consumer_engine_id: _Optional[str] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("renewed",)
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    renewed: int
+    def __init__(self, renewed: _Optional[int] = ...) -> None: ...
+
 class ShmPullRequest(_message.Message):
     __slots__ = ("pull", "consumed", "direct", "pid", "block_ids", "registration")
     PULL_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class KVTransferStub:
                 request_serializer=kv__transfer__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/pdcluster.kv.v2.KVTransfer/Renew',
+                request_serializer=kv__transfer__pb2.RenewRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.ShmRegister = channel.unary_unary(
                 '/pdcluster.kv.v2.KVTransfer/ShmRegister',
                 request_serializer=kv__transfer__pb2.ShmRegisterRequest.SerializeToString,
@@ -114,6 +119,12 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +187,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kv__transfer__pb2.ReleaseRequest.FromString,
                     response_serializer=kv__transfer__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=kv__transfer__pb2.RenewRequest.FromString,
+                    response_serializer=kv__transfer__pb2.RenewResponse.SerializeToString,
             ),
             'ShmRegister': grpc.unary_unary_rpc_method_handler(
                     servicer.ShmRegister,
@@ -338,6 +354,33 @@ class KVTransfer:
             '/pdcluster.kv.v2.KVTransfer/Release',
             kv__transfer__pb2.ReleaseRequest.SerializeToString,
             kv__transfer__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kv.v2.KVTransfer/Renew',
+            kv__transfer__pb2.RenewRequest.SerializeToString,
+            kv__transfer__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

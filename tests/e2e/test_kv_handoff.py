@@ -12,6 +12,7 @@ router does: prefill with max_tokens=1 and do_remote_decode, then decode with th
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,8 @@ def engines(tmp_path_factory):
         spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
         spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
         spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
+        # one request at a time: a second one queues (lease renewal)
+        spec("decode-narrow", "decode", "1", secret, max_num_seqs=1),
     ]
     with run_engines(specs, tmp) as running:
         yield running
@@ -223,6 +226,33 @@ def test_a_seeded_request_gives_one_engines_text_on_every_call(engines):
         for _ in range(2)
     }
     assert texts == {expected}
+
+
+def test_a_lease_outlives_a_long_queue_at_decode(engines):
+    """A decode engine busy with long requests (one at a time) holds a handed-over request queued
+    for longer than the prefill's lease: its renewals keep the lease, so the pull succeeds
+    (nothing expires, nothing is recomputed). The busy work grows until the queue outlasts the
+    lease on this machine."""
+    narrow, prefill = engines["decode-narrow"], engines["prefill"]
+    busy_requests = 2
+    for _ in range(4):
+        before_p, before_d = info(prefill)["stats"], info(narrow)["stats"]
+        with ThreadPoolExecutor(busy_requests) as pool:
+            busy = [pool.submit(complete, narrow, token_prompt(8, offset=90 + i), 1000) for i in range(busy_requests)]
+            wait_for(lambda n=busy_requests: info(narrow)["stats"]["waiting"] == n - 1, 60, "a busy queue")
+            started = time.monotonic()
+            response, _ = handoff(prefill, narrow, token_prompt(2 * BLOCK + 7, offset=515), 4)
+            queued_s = time.monotonic() - started
+            assert all(f.result().status_code == 200 for f in busy)
+        assert response.status_code == 200, response.text
+        if queued_s > LEASE_S:
+            break
+        busy_requests = math.ceil(busy_requests * 1.5 * LEASE_S / queued_s)  # a longer queue next time
+    assert queued_s > LEASE_S, f"the queue ({queued_s:.1f} s) never outlasted the lease ({LEASE_S} s)"
+    after_p, after_d = info(prefill)["stats"], info(narrow)["stats"]
+    assert after_p["kv_leases_expired"] == before_p["kv_leases_expired"]
+    assert after_d["kv_pulls_ok"] == before_d["kv_pulls_ok"] + 1
+    assert after_d["kv_pulls_failed"] == before_d["kv_pulls_failed"]
 
 
 def test_producer_blocks_are_freed_after_every_handoff(engines):

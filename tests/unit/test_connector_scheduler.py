@@ -218,3 +218,22 @@ def test_producer_leases_what_it_computed(tmp_path):
     assert given.remote_num_tokens == 300 and given.remote_request_id == req.request_id
     (held,) = connector.build_connector_meta(None).new_leases
     assert held.block_ids == tuple(blocks) and abs(held.expiry_unix - given.remote_lease_expiry) < 1e-6
+
+
+def test_queued_requests_have_their_leases_renewed_until_their_pull(consumer):
+    """While a request waits in decode's queue its producer lease is renewed every
+    lease_seconds / 6 (vLLM's NIXL heartbeat); once its pull is planned, it is not, and the
+    pull knows how long the renewals kept the lease."""
+    scheduler, hasher = consumer
+    half = scheduler.connector.connector_scheduler
+    params = lease(200, [5, 6])
+    req = request(hasher, PROMPT[:200], params)
+    scheduler.add_request(req)
+    half._last_renewal = 0.0  # the last renewals were long ago
+    meta = half.build_connector_meta(None)  # a step in which it stays queued
+    assert [r.remote_request_id for r in meta.renewals] == [params["remote_request_id"]]
+    assert half.build_connector_meta(None).renewals == []  # at most every lease_seconds / 6
+    (pull,) = step(scheduler).pulls
+    assert pull.renewed_until > params["remote_lease_expiry"] - 1
+    half._last_renewal = 0.0
+    assert half.build_connector_meta(None).renewals == []  # pulled: nothing left to renew

@@ -111,3 +111,17 @@ def test_a_lease_known_to_have_expired_is_not_pulled(consumer):
         assert outcome(consumer, PullSpec("d-4", expired, (4, 5), (0, 1))) == "failed"
         with pytest.raises(BlockingIOError):
             trap.accept()  # neither a pull nor a release was dialed
+
+
+def test_renewals_reach_the_producer_for_signed_leases_only(producer, consumer):
+    source, address = producer
+    source.lease_seconds = 600
+    source.leases.add("req-1", [4, 5], time.monotonic() + 1)
+    forged = KVParams(**{**lease(address).__dict__, "remote_request_id": "req-2", "signature": "00" * 32})
+    source.leases.add("req-2", [6], time.monotonic() + 1)
+    consumer.bind(PDConnectorMetadata(renewals=[lease(address), forged]))
+    deadline = time.monotonic() + 30
+    while source.leases._leases["req-1"].deadline < time.monotonic() + 100:
+        assert time.monotonic() < deadline, "the renewal never arrived"
+        time.sleep(0.01)  # poll interval
+    assert source.leases._leases["req-2"].deadline < time.monotonic() + 100  # forged: not renewed

@@ -237,3 +237,20 @@ def test_a_pull_for_an_ended_lease_fails_at_once(ending):
                 pull_into(transport, server, consumer, "req-late", [1, 2], [0, 1])
     finally:
         server.stop(0)
+
+
+def test_renewals_keep_queued_leases_and_skip_ended_ones(producer_server):
+    producer, server, transport = producer_server
+    producer.lease_seconds = 600
+    producer.leases.add("req-q", [1, 2], time.monotonic() + 1)
+    producer.leases.add("req-r", [3], time.monotonic() + 600)
+    producer.release("req-r", True)
+    client = transport.connect(server.address)
+    try:
+        client.handshake(make_cache(fill="zeros").layout, "decode-0")
+        assert client.renew(["req-q", "req-r", "req-unknown"], engine_id="decode-0", timeout_s=5) == 1
+    finally:
+        client.close()
+    # Past its first deadline the renewed lease is still held; the released one is not.
+    assert [lease.request_id for lease in producer.leases.collect_finished(time.monotonic() + 2)] == ["req-r"]
+    assert len(producer.leases) == 1

@@ -139,6 +139,9 @@ class _Servicer:
         released = self.producer.release(request.request_id, request.transferred)
         return pb.ReleaseResponse(released=released)
 
+    def renew(self, request: pb.RenewRequest, session: ServerSession, context) -> pb.RenewResponse:
+        return pb.RenewResponse(renewed=self.producer.renew(list(request.request_ids)))
+
 
 class GrpcServer(TransportServer):
     """The producer's control server: the gRPC pull, plus each extension's RPCs."""
@@ -164,6 +167,7 @@ class GrpcServer(TransportServer):
             # The chunks are already the KVChunk encoding (wire.py): no serializer.
             "Pull": rpc.unary_stream(authorize, "Pull", pb.PullRequest, servicer.pull, None),
             "Release": rpc.unary_unary(authorize, "Release", pb.ReleaseRequest, pb.ReleaseResponse, servicer.release),
+            "Renew": rpc.unary_unary(authorize, "Renew", pb.RenewRequest, pb.RenewResponse, servicer.renew),
         }
         for extension in self._extensions:
             handlers.update(extension.handlers(authorize))
@@ -219,6 +223,11 @@ class GrpcClient(TransportClient):
             f"/{SERVICE}/Release",
             request_serializer=pb.ReleaseRequest.SerializeToString,
             response_deserializer=pb.ReleaseResponse.FromString,
+        )
+        self._renew = self.channel.unary_unary(
+            f"/{SERVICE}/Renew",
+            request_serializer=pb.RenewRequest.SerializeToString,
+            response_deserializer=pb.RenewResponse.FromString,
         )
         self._digest: int | None = None
         self._remote_layout: KVLayout | None = None
@@ -330,6 +339,18 @@ class GrpcClient(TransportClient):
                 return self._release(request, metadata=self.control.metadata("Release"), timeout=timeout_s).released
             except grpc.RpcError as exc:
                 raise translate(exc, self.endpoint, f"KV release of {request_id}") from None
+
+        return self.control.call(call)
+
+    def renew(self, request_ids: Sequence[str], *, engine_id: str, timeout_s: float) -> int:
+        """Keep the leases of requests this consumer holds queued; how many the producer had."""
+        request = pb.RenewRequest(request_ids=list(request_ids), consumer_engine_id=engine_id)
+
+        def call() -> int:
+            try:
+                return self._renew(request, metadata=self.control.metadata("Renew"), timeout=timeout_s).renewed
+            except grpc.RpcError as exc:
+                raise translate(exc, self.endpoint, "KV lease renewal") from None
 
         return self.control.call(call)
 
