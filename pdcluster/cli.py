@@ -146,12 +146,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     out(f"pdcluster {config.name} ready: {session.endpoint}")
     if not args.foreground:
         return 0
-    out("serving in the foreground; Ctrl-C (or pdcluster down) stops the cluster")
-    session.foreground_pid = os.getpid()
-    session.save()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    session.foreground_pid = os.getpid()
+    session.save()
+    out("serving in the foreground; Ctrl-C (or pdcluster down) stops the cluster")
     stop.wait()
     out("shutting down ...")
     _teardown(session)
@@ -225,22 +225,32 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def _stop_foreground(session) -> bool:
-    """Ask the `up --foreground` serving the cluster to stop it (SIGTERM: its own Ctrl-C path,
-    which exits 0) and wait until it did; False when there is no such process."""
+    """Ask the `up --foreground` serving the cluster to stop it (SIGINT: its own Ctrl-C path,
+    which exits 0; Ray's driver answers SIGTERM itself, by exiting at once) and wait until it
+    did; False when there is no such process."""
     import psutil
 
     try:
         process = psutil.Process(session.foreground_pid)
         if "pdcluster" not in " ".join(process.cmdline()):
             return False  # the pid was reused by something else
-        process.send_signal(signal.SIGTERM)
-        process.wait(FOREGROUND_STOP_TIMEOUT_S)
+        process.send_signal(signal.SIGINT)
     except psutil.NoSuchProcess:
         return False
-    except psutil.TimeoutExpired:
-        notice(f"the foreground `up` (pid {session.foreground_pid}) did not stop in time; stopping the cluster here")
-        return False
-    return not session.path.exists()
+    # Done once its teardown removed the record (its parent may not have reaped it yet: a
+    # zombie counts as gone).
+    deadline = time.monotonic() + FOREGROUND_STOP_TIMEOUT_S
+    while session.path.exists():
+        try:
+            gone = process.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            gone = True
+        if gone or time.monotonic() > deadline:
+            if not gone:
+                notice(f"the foreground `up` (pid {session.foreground_pid}) did not stop in time; stopping it here")
+            return not session.path.exists()
+        time.sleep(0.1)  # poll interval: the foreground stops its engines first
+    return True
 
 
 def _connect_quietly(session) -> None:

@@ -238,6 +238,7 @@ class Controller:
             replica.stage = "failed"
             replica.set_state(ReplicaState.DEAD)
             logger.error("replica %s failed to start: %s", replica.replica_id, replica.error)
+            self._reconcile()  # its slot is tried again (now, or after its pause)
             await self._publish()
             return
         if replica.state != ReplicaState.STARTING:  # scaled away while starting
