@@ -92,7 +92,9 @@ def info(engine) -> dict:
 
 def handoff(prefill, decode, prompt, max_tokens, **extra):
     """What the router does: returns (decode response, the params P handed over)."""
-    first = complete(prefill, prompt, 1, kv_transfer_params={"do_remote_decode": True}, **extra)
+    # the prefill's own answer is never streamed (the router asks for one token, as JSON)
+    once = {key: value for key, value in extra.items() if key != "stream"}
+    first = complete(prefill, prompt, 1, kv_transfer_params={"do_remote_decode": True}, **once)
     assert first.status_code == 200, first.text
     params = first.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_block_ids"]
@@ -225,6 +227,9 @@ def test_a_seeded_request_gives_one_engines_text_on_every_call(engines):
         handoff(engines["prefill"], engines["decode"], prompt, 24, **seeded)[0].json()["choices"][0]["text"]
         for _ in range(2)
     }
+    streamed, _ = handoff(engines["prefill"], engines["decode"], prompt, 24, stream=True, **seeded)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    texts.add("".join(c["text"] for e in events for c in e["choices"]))
     assert texts == {expected}
 
 
