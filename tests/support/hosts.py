@@ -1,0 +1,155 @@
+"""Test hosts on one machine: each a network namespace on a bridge of its own (addresses from the
+benchmarking range 198.18.0.0/15 only), with its own hostname, IPC, mount (a private /dev/shm)
+and PID namespace, so that pdcluster's node identity sees different hosts, the same-host shm path
+cannot be taken between them, and killing a host ends exactly its processes.
+
+Each host is an init process (`sleep infinity`, PID 1 of the host's PID namespace) made by
+`ip netns exec <ns> unshare ...`; commands run inside it through `nsenter` into all of its
+namespaces. `make_hosts(n)` is a context manager: every namespace, link and process it made (by
+pid) is removed when it exits, also when the test fails. Needs root (as on CI and the dev
+machines); `require_root()` skips a test with that reason otherwise. ../shared/notes/
+multinode-netns.md has what was measured on this kernel (no netem; nftables and tbf exist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+SUBNET = "198.18.{group}.{host}"  # 198.18.0.0/15: RFC 2544 benchmarking addresses, never routed
+PREFIX = 24
+SHM_BYTES = 512 << 20
+
+
+def require_root() -> None:
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("unshare") and shutil.which("nsenter")):
+        pytest.skip("test hosts need root and iproute2/util-linux (ip, unshare, nsenter)")
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True, timeout=30)
+
+
+@dataclass
+class Host:
+    name: str  # also its hostname and network namespace
+    address: str
+    init_pid: int  # PID 1 of its PID namespace, as this machine sees it
+    veth: str  # the bridge side of its link (down: the host is cut off)
+
+    def command(self, *argv: str) -> list[str]:
+        """argv run inside this host (all of its namespaces)."""
+        return ["nsenter", "-t", str(self.init_pid), "-n", "-u", "-i", "-m", "-p", "--", *argv]
+
+    def run(self, *argv: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(*argv), capture_output=True, text=True, timeout=timeout, check=check)
+
+    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.command(*argv), **kwargs)
+
+    def cut(self, down: bool = True) -> None:
+        """Partition the host from the others (its link down), or heal it."""
+        _run("ip", "link", "set", self.veth, "down" if down else "up")
+
+    def kill(self) -> None:
+        """The host goes away: its init dies, and with it every process of its PID namespace."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.init_pid, signal.SIGKILL)
+
+    def alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.init_pid}/stat") as f:
+                return f.read().split(") ", 1)[1][0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+
+@contextlib.contextmanager
+def make_hosts(count: int, group: int = 0) -> Iterator[list[Host]]:
+    """`count` hosts at 198.18.<group>.11, .12, ... on a fresh bridge; all removed on exit."""
+    require_root()
+    tag = secrets.token_hex(2)
+    bridge = f"pdbr{tag}"
+    made_links: list[str] = []
+    made_netns: list[str] = []
+    inits: list[subprocess.Popen] = []
+    hosts: list[Host] = []
+    try:
+        _run("ip", "link", "add", bridge, "type", "bridge")
+        made_links.append(bridge)
+        _run("ip", "addr", "add", f"{SUBNET.format(group=group, host=1)}/{PREFIX}", "dev", bridge)
+        _run("ip", "link", "set", bridge, "up")
+        for i in range(1, count + 1):
+            name, veth = f"pd{tag}h{i}", f"pv{tag}h{i}"
+            address = SUBNET.format(group=group, host=10 + i)
+            _run("ip", "netns", "add", name)
+            made_netns.append(name)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
+            made_links.append(veth)
+            _run("ip", "link", "set", veth, "master", bridge, "up")
+            _run("ip", "-n", name, "addr", "add", f"{address}/{PREFIX}", "dev", "eth0")
+            _run("ip", "-n", name, "link", "set", "eth0", "up")
+            _run("ip", "-n", name, "link", "set", "lo", "up")
+            setup = (
+                f"hostname {name} && mount -t tmpfs -o size={SHM_BYTES},mode=1777 tmpfs /dev/shm && exec sleep infinity"
+            )
+            init = subprocess.Popen(
+                ["ip", "netns", "exec", name, "unshare", "--uts", "--ipc", "--mount", "--propagation", "private",
+                 "--pid", "--mount-proc", "--fork", "sh", "-c", setup],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            inits.append(init)
+            host = Host(name, address, _init_pid(init), veth)
+            hosts.append(host)
+            _await_setup(host, init)
+        yield hosts
+    finally:
+        for host in hosts:
+            host.kill()
+        for init in inits:
+            with contextlib.suppress(ProcessLookupError):
+                init.kill()
+            init.wait(30)
+        for name in made_netns:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        for link in reversed(made_links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
+
+
+def _init_pid(launcher: subprocess.Popen) -> int:
+    """The pid (in this machine's PID namespace) of the host's PID 1: the only child of the
+    `unshare --fork` that `ip netns exec` became."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, launcher.stderr.read().decode() if launcher.stderr else "host init exited"
+        try:
+            with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as f:
+                children = f.read().split()
+        except FileNotFoundError:
+            children = []
+        if children:
+            return int(children[0])
+        time.sleep(0.01)  # poll interval: the fork has not happened yet
+    raise AssertionError("a test host's init did not start")
+
+
+def _await_setup(host: Host, launcher: subprocess.Popen) -> None:
+    """Until the init runs `sleep` (its hostname and /dev/shm are in place)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, launcher.stderr.read().decode() if launcher.stderr else "host init exited"
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{host.init_pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"sleep"):
+                    return
+        time.sleep(0.01)  # poll interval: the setup commands are still running
+    raise AssertionError(f"test host {host.name} did not finish its setup")
