@@ -151,9 +151,10 @@ def test_a_prefill_that_hangs_up_is_replaced_by_another_prefill(serve):
 
 
 def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an_error(serve):
-    """The client already has the prefill's token: a decode replica reached that then fails ends
-    the stream with an error event, and nothing is prefilled again."""
-    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    """The client already has the prefill's token: with migration off, a decode replica reached
+    that then fails before answering ends the stream with an error event, and nothing is
+    prefilled again."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, migration_limit=0))
     prefill, gone, live = StandIn(prefill_answer()), StandIn(hang_up), StandIn(decode_answer)
     stand_ins = {"prefill-0": prefill, "decode-gone": gone, "decode-live": live}
     response, lines = serve(router, stand_ins, {**COMPLETION, "stream": True}, [])
@@ -163,6 +164,22 @@ def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an
     assert "upstream replica decode-gone failed mid-stream" in events[-1]["error"]["message"]
     assert (len(prefill.posts()), len(live.posts())) == (1, 0)
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="upstream_error"}') == 1
+
+
+def test_a_continuation_whose_decode_fails_before_answering_moves_to_another(serve):
+    """The same failure with migration on (the default): the stream goes on on another decode
+    replica from the prompt plus the first token, without a second prefill or an error."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    prefill, gone, live = StandIn(prefill_answer()), StandIn(hang_up), StandIn(resuming_decode)
+    stand_ins = {"prefill-0": prefill, "decode-gone": gone, "decode-live": live}
+    response, lines = serve(router, stand_ins, {**COMPLETION, "stream": True}, [])
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""], lines
+    texts = [c["text"] for e in data(lines) for c in e["choices"]]
+    assert texts == [" first", " t101", " t102", " t103"]
+    [resumed] = live.posts()
+    assert resumed.body["prompt"] == PROMPT_IDS + [42] and "kv_transfer_params" not in resumed.body
+    assert len(prefill.posts()) == 1
+    assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
 
 
 # -- no replica left: one answer ----------------------------------------------------------------

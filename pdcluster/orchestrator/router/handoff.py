@@ -312,23 +312,29 @@ class PhaseRunner:
         self,
         h: Handoff,
         relay: Relay,
-        upstream: httpx.Response,
+        upstream: httpx.Response | None,
         clock: TokenClock,
         rewrite: Rewrite | None,
         progress: migration.Progress | None,
+        broken: BaseException | None = None,
     ) -> AsyncIterator[bytes]:
         """The decode replica's stream to the client; if it breaks mid-stream, the rest comes from
-        another decode replica, up to `migration_limit` times (migration.py)."""
+        another decode replica, up to `migration_limit` times (migration.py). `upstream` None:
+        the replica failed before answering (`broken` says how); the stream moves at once."""
         moves = 0
         while True:
             assert h.answering is not None
             failed = h.answering
-            try:
-                async for chunk in relay_events(upstream, failed.replica_id, h, clock, rewrite, progress):
-                    yield chunk
-                return
-            except StreamBroke as broke:
-                cause: BaseException = broke.cause
+            if upstream is None:
+                assert broken is not None
+                cause: BaseException = broken
+            else:
+                try:
+                    async for chunk in relay_events(upstream, failed.replica_id, h, clock, rewrite, progress):
+                        yield chunk
+                    return
+                except StreamBroke as broke:
+                    cause = broke.cause
             assert progress is not None and progress.header is not None
             moved: httpx.Response | None = None
             while moved is None and moves < self.settings.migration_limit:
@@ -406,12 +412,18 @@ class PhaseRunner:
             clock.tokens(sum(map(has_token, prelude)))
             yield "".join(f"data: {json.dumps(event)}\n\n" for event in prelude).encode()
             h.delivered = True
+            progress = self._progress(h)
             while True:
                 try:
                     upstream = await relay.pending
                     break
                 except PhaseFailed as failure:
                     relay.pending = None
+                    if isinstance(failure, ReachedThenFailed) and progress is not None and progress.can_resume:
+                        # it may have used up the lease: continue elsewhere from the first token
+                        async for chunk in self._relayed(h, relay, None, clock, None, progress, failure.cause):
+                            yield chunk
+                        return
                     self.recover(h, failure)
                     self._dispatch(h, relay, body)
             relay.upstream = upstream
@@ -421,7 +433,7 @@ class PhaseRunner:
                 yield f"data: {raw.decode(errors='replace')}\n\n".encode()
                 return
             rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first)
-            async for chunk in self._relayed(h, relay, upstream, clock, rewrite, self._progress(h)):
+            async for chunk in self._relayed(h, relay, upstream, clock, rewrite, progress):
                 yield chunk
         except httpx.HTTPError as exc:  # the decode replica's answer did not come (a timeout)
             h.outcome = "upstream_error"
