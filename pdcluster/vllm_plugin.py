@@ -10,6 +10,8 @@ same venv stays stock:
   it). There it checks the vLLM version (pdcluster/compat) and applies:
   - logging: the `pdcluster` logger gets a handler in engine processes vLLM spawns;
   - AMX permission (see request_amx_permission);
+  - lifetime: the process dies with its parent (engine/lifetime.py), so a killed actor leaves
+    no engine core or worker behind;
   - step queues: vLLM's shared-memory queues between engine core and workers drop wake-up pings
     to a reader that sleeps (compat.keep_queue_pings), and spin for 1 s after each message
     (compat.set_queue_reader_spin, per role from the config, see spin_for_this_process).
@@ -27,6 +29,7 @@ import os
 import platform
 
 from pdcluster import compat
+from pdcluster.engine.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,7 @@ def register() -> None:
     from pdcluster.logs import setup_logging
 
     setup_logging()  # our connector logs from vLLM's engine processes too
+    die_with_parent()
     compat.require_tested_vllm()
     request_amx_permission()
     if os.environ.get(WORKER_SPIN_ENV):

@@ -21,6 +21,7 @@ from typing import Any
 from pdcluster import compat
 from pdcluster.engine.http_auth import RequireEngineKey
 from pdcluster.engine.kv_errors import KVErrorAnswers
+from pdcluster.engine.lifetime import mark_host
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.engine.stats import EngineStatsRecorder
 from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
@@ -85,6 +86,7 @@ class EngineHost:
 
         compat.require_tested_vllm()
         request_amx_permission()
+        mark_host()  # the engine's processes, spawned below, die with this one (lifetime.py)
         if self.spec.role == "decode":
             # Why a KV pull failed reaches this process's answers (kv_errors.py); the engine's
             # processes, spawned below, inherit where to send it.

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import grpc
 import httpx
 import openai
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -192,9 +193,14 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
             while http.get(victim_url + "/pdcluster/info").json()["stats"].get("running", 0) == 0:
                 assert time.monotonic() < deadline, "no request reached the victim"
                 time.sleep(0.05)  # poll interval
+        engine_processes = psutil.Process(victim_pid).children(recursive=True)  # vLLM's engine core
         kill.crash(victim_pid)
         for f in futures:
             f.result(timeout=300)  # nothing hangs
+    # The engine's own processes died with the actor (none left running as an orphan).
+    assert engine_processes
+    _, orphans = psutil.wait_procs(engine_processes, timeout=60)
+    assert not orphans, [(p.pid, p.name()) for p in orphans]
     # Every stream completed in full (all 3500 tokens, finish_reason=length), without an error
     # event: none was cut, none truncated, none hung; and the crash did move (or reroute) at
     # least one request.
