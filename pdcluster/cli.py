@@ -85,6 +85,19 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _get(ref) -> Any:
+    """ray.get of a controller call; a ConfigError it raised reaches the user as its one line."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise
+
+
 def _connect(session) -> Any:
     import ray
 
@@ -105,6 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from pdcluster.config import load_config, new_secret, read_credentials
     from pdcluster.orchestrator.controller import Controller, controller_name
+    from pdcluster.orchestrator.placement import orchestrator_options, orchestrator_placement, unplaceable
     from pdcluster.orchestrator.session import Session, start_local_head, state_home
 
     config = load_config(args.config)
@@ -125,18 +139,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     session.save()
     try:
         ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False, logging_level=logging.WARNING)
+        # The controller and the router go to the head (or router.placement): a node none can
+        # be is refused here, before Ray would queue the controller forever.
+        problem = unplaceable(*orchestrator_placement(config.router.placement), ray.nodes())
+        if problem:
+            raise ConfigError(f"router.placement: {problem}")
         controller = (
             ray.remote(Controller)
             .options(
                 name=controller_name(config.name),
                 namespace=config.ray.namespace,
                 lifetime="detached",
-                num_cpus=0,
                 max_concurrency=100,
+                **orchestrator_options(config.router.placement),
             )
             .remote(config.model_dump_json(), secret, api_keys)
         )
-        session.endpoint = ray.get(controller.start.remote())
+        session.endpoint = _get(controller.start.remote())
         session.save()
         if not _await_ready(controller, args.timeout):
             raise PDClusterError("cluster did not become ready; see the replica errors above")
@@ -322,6 +341,8 @@ def format_status(status: dict[str, Any]) -> str:
             f"{r['replica']:<14}{r['role']:<11}{(r['node'] or '-'):<16}{r['state']:<10}{r['inflight']:>5}"
             f"{r['running']:>5}{r['waiting']:>5}{r['kv_cache_usage'] * 100:>6.1f}{ttft:>17}{itl:>16}  {'; '.join(notes)}"
         )
+    for role, problem in sorted((status.get("unplaced") or {}).items()):
+        lines.append(f"{role}: cannot place a replica: {problem}")
     lines.append("")
     lines.append("(TTFT of prefill replicas: their prefill phase; latencies over the last minute)")
     return "\n".join(lines)
@@ -336,16 +357,12 @@ def cmd_scale(args: argparse.Namespace) -> int:
         raise ConfigError("replicas must be ≥ 0")
     session = Session.load(args.name, notice)
     controller = _connect(session)
-    try:
-        result = ray.get(controller.scale.remote(args.role, args.replicas))
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause if hasattr(exc, "cause") else exc
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise
+    result = _get(controller.scale.remote(args.role, args.replicas))
     out(
         f"{args.role}: {args.replicas} replicas (adding {result['added'] or 'none'}, draining {result['draining'] or 'none'})"
     )
+    if result.get("unplaced"):
+        notice(f"{args.role}: cannot place a replica now: {result['unplaced']} (added once a node fits)")
     if args.wait:
         deadline = time.monotonic() + args.timeout
         while True:

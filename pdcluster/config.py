@@ -68,6 +68,52 @@ class Resources(_Model):
     npus: float = Field(0, ge=0, description="Ascend NPUs per replica (Ray resource `NPU`).")
 
 
+# Ray's label syntax: a name of ≤ 63 letters, digits, '-', '_', '.'; keys may carry a 'prefix/'.
+_LABEL_NAME = r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"^([A-Za-z0-9.-]{{1,253}}/)?{_LABEL_NAME}$")
+_LABEL_VALUE = re.compile(rf"^{_LABEL_NAME}$")
+
+
+class Placement(_Model):
+    """Which Ray nodes may host something: all `labels` on the node, and `resources` free there."""
+
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray node labels the node must carry, every one with exactly this value "
+        "(`ray start --labels pool=decode,zone=a`).",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each replica reserves on its node "
+        "(`ray start --resources '{\"decode_slots\": 2}'`).",
+    )
+
+    @field_validator("labels")
+    @classmethod
+    def _label_format(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            if not _LABEL_KEY.match(key):
+                raise ValueError(f"'{key}' is not a Ray label key (letters, digits, - _ . ; an optional 'prefix/')")
+            if not _LABEL_VALUE.match(label):
+                raise ValueError(f"'{key}: {label}' is not a Ray label value (letters, digits, - _ .; ≤ 63)")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _resource_amounts(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if amount <= 0 or name in ("CPU", "GPU", "NPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"'{name}: {amount}': custom resources only, each > 0 (CPUs, GPUs and NPUs go under resources)"
+                )
+        return value
+
+    def describe(self) -> str:
+        parts = [f"label {k}={v}" for k, v in self.labels.items()]
+        parts += [f"resource {k}: {v:g}" for k, v in self.resources.items()]
+        return ", ".join(parts) or "any node"
+
+
 class RoleSection(_Model):
     replicas: int = Field(1, ge=0, le=64, description="Number of engines in this role.")
     engine_args: dict[str, Any] = Field(
@@ -75,6 +121,9 @@ class RoleSection(_Model):
         description="Extra vLLM engine arguments (AsyncEngineArgs field names), e.g. max_num_seqs.",
     )
     resources: Resources = Field(default_factory=Resources, description="Per-replica resources.")
+    placement: Placement = Field(
+        default_factory=Placement, description="On a Ray cluster of several nodes: which nodes may host this role."
+    )
     cpu_bind: list[str] = Field(
         default_factory=list,
         description="CPU only: cores each replica's engine threads bind to "
@@ -183,6 +232,11 @@ class RouterSection(_Model):
         le=16,
         description="A stream whose decode replica fails mid-stream continues on another one, at most "
         "this many times (0: it ends with an error event).",
+    )
+    placement: Placement | None = Field(
+        None,
+        description="Where the router and the controller run (their node's address is the endpoint); "
+        "default: the Ray head node.",
     )
     fault_injection: RouterFaultInjection = Field(default_factory=RouterFaultInjection, description="Tests/drills.")
 

@@ -27,6 +27,7 @@ from pdcluster.engine.spec import EngineSpec
 from pdcluster.errors import ConfigError
 from pdcluster.keys import engine_http_token
 from pdcluster.logs import setup_logging
+from pdcluster.orchestrator.placement import actor_options, demand, orchestrator_options, unplaceable
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import RouterActor, RouterSettings
@@ -154,6 +155,7 @@ class Controller:
         self._retired: list[Replica] = []
         self._budget = RestartBudget()
         self._refused: set[tuple[str, int, str]] = set()  # restart refusals logged (once each)
+        self.unplaced: dict[str, str] = {}  # role -> why no live node can host a replica now
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self._counters = {role: itertools.count() for role in self.pools}
         self.router = None
@@ -171,6 +173,10 @@ class Controller:
         import ray
 
         cfg = self.config
+        for role in cfg.serving_roles():
+            problem = self._placement_problem(role) if cfg.role(role).replicas else None
+            if problem:
+                raise ConfigError(f"roles.{role}.placement: {problem}")
         settings = RouterSettings(
             model_name=cfg.model.served_name,
             mode=cfg.mode,
@@ -188,7 +194,7 @@ class Controller:
         )
         self.router = (
             ray.remote(RouterActor)
-            .options(name=f"{cfg.name}-router", num_cpus=0, max_concurrency=1000)
+            .options(name=f"{cfg.name}-router", max_concurrency=1000, **orchestrator_options(cfg.router.placement))
             .remote(settings)
         )
         self.endpoint = await self.router.start.remote(cfg.router.host, cfg.router.port)
@@ -216,16 +222,13 @@ class Controller:
     async def _start_replica(self, replica: Replica) -> None:
         import ray
 
-        res = self.config.role(replica.role).resources
+        section = self.config.role(replica.role)
         options: dict[str, Any] = {
             "name": f"{self.config.name}-{replica.replica_id}",
-            "num_cpus": res.cpus,
-            "num_gpus": res.gpus,
             "max_concurrency": 64,
             "runtime_env": {"env_vars": replica.spec.env()},
+            **actor_options(section.resources, section.placement),
         }
-        if res.npus:
-            options["resources"] = {"NPU": res.npus}
         try:
             replica.stage = "scheduling actor"
             replica.actor = (
@@ -317,7 +320,10 @@ class Controller:
         for role in self.config.serving_roles():
             pool = self.pools[role]
             active = {r.slot for r in pool if r.state in (ReplicaState.STARTING, ReplicaState.READY)}
-            for slot in missing_slots(active, self.config.role(role).replicas):
+            missing = missing_slots(active, self.config.role(role).replicas)
+            if missing and not self._placeable(role):
+                continue
+            for slot in missing:
                 refusal = self._budget.refusal((role, slot), now)
                 if refusal is not None:
                     if (role, slot, refusal.split()[0]) not in self._refused:
@@ -329,6 +335,26 @@ class Controller:
                     self._retired.append(failed)
                 replacement = self._add_replica(role, slot)
                 logger.info("starting %s in %s slot %d", replacement.replica_id, role, slot)
+
+    def _placement_problem(self, role: RoleName) -> str | None:
+        """Why no live Ray node could host a replica of `role` (placement.py); None if one can."""
+        import ray
+
+        section = self.config.role(role)
+        return unplaceable(section.placement, demand(section.resources, section.placement), ray.nodes())
+
+    def _placeable(self, role: RoleName) -> bool:
+        """Whether replicas of `role` can be started now; a role that cannot is reported once
+        (logged, and in `status`) until a node that fits joins."""
+        problem = self._placement_problem(role)
+        if problem is None:
+            if self.unplaced.pop(role, None) is not None:
+                logger.info("%s replicas can be placed again", role)
+            return True
+        if self.unplaced.get(role) != problem:
+            self.unplaced[role] = problem
+            logger.error("cannot place %s replicas: %s (waiting for a node that fits)", role, problem)
+        return False
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """True once every replica started (ready or dead) and the router can serve."""
@@ -372,7 +398,10 @@ class Controller:
                     replica.task = asyncio.create_task(self._drain_and_stop(replica))
             self.config.role(role).replicas = replicas
             await self._publish()
-        return {"role": role, "replicas": replicas, "added": added, "draining": draining}
+        result = {"role": role, "replicas": replicas, "added": added, "draining": draining}
+        if role in self.unplaced:
+            result["unplaced"] = self.unplaced[role]
+        return result
 
     async def _drain_and_stop(self, replica: Replica) -> None:
         """No new requests reach it (router excludes DRAINING); stop once it holds nothing."""
@@ -455,6 +484,7 @@ class Controller:
             "speculative": self.config.speculative.vllm_config() if self.config.speculative else None,
             "uptime_s": time.time() - self.started_at,
             "replicas": rows,
+            "unplaced": dict(self.unplaced),
             "retired": [{"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired],
         }
 

@@ -52,6 +52,15 @@ def test_shipped_configs_are_valid(name):
         ({**BASE, "roles": {"decode": {"cpu_bind": ["one"]}}}, "roles.decode.cpu_bind: 'one' is not a core list"),
         ({**BASE, "roles": {"prefill": {"onednn_cache": -1}}}, "roles.prefill.onednn_cache: must be ≥ 0"),
         ({"mode": "aggregated"}, "model: required"),
+        (
+            {**BASE, "roles": {"decode": {"placement": {"labels": {"pool": "in(a,b)"}}}}},
+            "roles.decode.placement.labels: 'pool: in(a,b)' is not a Ray label value",
+        ),
+        (
+            {**BASE, "roles": {"decode": {"placement": {"resources": {"CPU": 2}}}}},
+            "roles.decode.placement.resources: 'CPU: 2.0': custom resources only",
+        ),
+        ({**BASE, "router": {"placement": {"zone": "a"}}}, "router.placement.zone: unknown key"),
     ],
 )
 def test_errors_name_the_yaml_path(data, message):

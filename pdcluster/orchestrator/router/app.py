@@ -84,6 +84,8 @@ class Router:
 
         import uvicorn
 
+        from pdcluster.engine.actor import node_ip
+
         self.tokens.load_in_background()
         self._transport = AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256))
         self.http = self.phases.http = httpx.AsyncClient(
@@ -100,7 +102,9 @@ class Router:
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        # Bound to every address: the endpoint clients can reach is this node's address.
+        shown = node_ip() if host in ("0.0.0.0", "::", "") else host
+        self.url = f"http://{shown}:{sock.getsockname()[1]}"
         logger.info("router listening on %s", self.url)
         return self.url
 
