@@ -6,18 +6,21 @@ server; this process pulls a request's blocks (scattered block ids on both sides
 cache through the real client and scatterer. In the same run it times `memcpy` (ctypes.memmove,
 one thread) of the same number of bytes, and an in-process gather+scatter (staging alone, no
 transport) to show where time goes. Results: bench/results/<date>-kv-transfer-<transport>.{json,md}.
+With --cross-host the producer and this side run on two test hosts (network namespaces, see
+bench/kv_transfer_hosts.py), next to a raw TCP stream between the same hosts.
 
 Transports: grpc; shm (direct cross-process copies where the OS allows, as the connector does);
 shm with --shm-ring (forces the shared-memory ring: gather into slots, scatter out, pipelined);
 collective (gloo point-to-point on CPU).
 
 Usage: python bench/kv_transfer.py [--tokens 1024 8192 32768] [--repeats 5]
-       [--transport grpc|shm|collective] [--shm-ring]
+       [--transport grpc|shm|collective] [--shm-ring] [--cross-host (root; grpc, collective)]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime as dt
 import json
@@ -28,6 +31,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,6 +58,12 @@ HOW = {
     "collective": "collective: gloo send/recv on a pair group over 127.0.0.1 TCP, gather into and "
     "scatter out of double buffers; gRPC carries control only.",
 }
+CEILINGS = {"grpc": "raw gRPC", "tcp": "raw TCP"}  # row key raw_<name>_GBps -> column label
+METHOD = (
+    "median of repeats (each pull followed by one memcpy); cache-to-cache pull between two processes on 127.0.0.1, both "
+    "caches on 2 MiB pages as the connector backs them; memcpy = ctypes.memmove of the same "
+    "byte count between two buffers on 2 MiB pages, one thread, same run"
+)
 
 
 def make_cache(layers, kv_heads, head_dim, block_size, num_blocks, fill) -> PagedKVCache:
@@ -76,22 +86,51 @@ def scattered_ids(num_blocks: int, n: int, seed: int) -> list[int]:
     return torch.randperm(num_blocks, generator=gen)[:n].tolist()
 
 
-def producer_main(conn, args, num_blocks, requests):
-    """Child process: a prefill engine's cache with leased blocks, served by the transport."""
-    torch.set_num_threads(1)
+def pull_plan(args) -> tuple[int, dict[str, list[int]]]:
+    """The caches' block count and each request's scattered source block ids (both sides agree)."""
+    num_blocks = -(-max(args.tokens) // args.block_size) + 64
+    requests = {f"req-{t}": scattered_ids(num_blocks, -(-t // args.block_size), seed=t) for t in args.tokens}
+    return num_blocks, requests
+
+
+def transport_settings(args) -> KVTransferSettings:
+    """This side's transport settings: bound to and advertised on its own address."""
+    return KVTransferSettings(
+        secret=args.secret, max_chunk_bytes=args.chunk_bytes, bind_host=args.host, advertise_host=args.host
+    )
+
+
+@contextlib.contextmanager
+def serving(args, num_blocks: int, requests: dict[str, list[int]]):
+    """A prefill engine's cache with leased blocks, served by the transport on args.host (and the
+    raw gRPC ceiling next to it for grpc); yields (transport address, raw gRPC address or None)."""
     cache = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, True)
     producer = KVProducer(cache, "bench-prefill", max_chunk_bytes=args.chunk_bytes)
     for request_id, ids in requests.items():
         producer.leases.add(request_id, ids, time.monotonic() + 3600)
-    transport = create_transport(args.transport, KVTransferSettings(secret=SECRET, max_chunk_bytes=args.chunk_bytes))
-    server = transport.serve(producer, "127.0.0.1", 0)
-    raw = raw_grpc_server(args.chunk_bytes) if args.transport == "grpc" else None
-    conn.send((server.address, raw[1] if raw else None))
-    while conn.recv() == "rusage":  # until the parent is done
+    transport = create_transport(args.transport, transport_settings(args))
+    server = transport.serve(producer, args.host, 0)
+    raw = raw_grpc_server(args.chunk_bytes, f"{args.host}:0") if args.transport == "grpc" else None
+    try:
+        yield server.address, raw[1] if raw else None
+    finally:
+        server.stop(0)
+        if raw:
+            raw[0].stop(0).wait()
+
+
+def answer_rusage(conn) -> None:
+    """The producer's side of the CPU accounting: its CPU seconds on each ask, until "done"."""
+    while conn.recv() == "rusage":
         conn.send(cpu_seconds())
-    server.stop(0)
-    if raw:
-        raw[0].stop(0).wait()
+
+
+def producer_main(conn, args, num_blocks, requests):
+    """Child process: a prefill engine's cache with leased blocks, served by the transport."""
+    torch.set_num_threads(1)
+    with serving(args, num_blocks, requests) as addresses:
+        conn.send(addresses)
+        answer_rusage(conn)
 
 
 def raw_grpc_server(chunk_bytes: int, bind: str = "127.0.0.1:0"):
@@ -102,7 +141,7 @@ def raw_grpc_server(chunk_bytes: int, bind: str = "127.0.0.1:0"):
 
     import grpc
 
-    from pdcluster.kv_transfer.transports.grpc_transport import _channel_options
+    from pdcluster.kv_transfer.transports.rpc import server_options
 
     source = torch.empty(1 << 30, dtype=torch.uint8).random_()
     settings = KVTransferSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)
@@ -120,7 +159,7 @@ def raw_grpc_server(chunk_bytes: int, bind: str = "127.0.0.1:0"):
         "bench.Raw",
         {"Stream": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=bytes, response_serializer=bytes)},
     )
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=_channel_options(settings))
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=server_options(settings))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port(bind)
     server.start()
@@ -130,9 +169,9 @@ def raw_grpc_server(chunk_bytes: int, bind: str = "127.0.0.1:0"):
 def time_raw_grpc(address: str, nbytes: int, chunk_bytes: int, repeats: int, extra_options=()) -> float:
     import grpc
 
-    from pdcluster.kv_transfer.transports.grpc_transport import _channel_options
+    from pdcluster.kv_transfer.transports.rpc import client_options
 
-    options = _channel_options(KVTransferSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)) + list(extra_options)
+    options = client_options(KVTransferSettings(secret=SECRET, max_chunk_bytes=chunk_bytes)) + list(extra_options)
     with grpc.insecure_channel(address, options=options) as channel:
         call = channel.unary_stream("/bench.Raw/Stream", request_serializer=bytes, response_deserializer=bytes)
         times = []
@@ -190,21 +229,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm-ring", action="store_true", help="shm: force the shared ring")
     parser.add_argument("--target", type=float, default=None, help="ratio to memcpy to meet")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--cross-host", action="store_true", help="producer and consumer on two test hosts (root)")
+    parser.add_argument("--role", choices=["producer", "consumer"], help=argparse.SUPPRESS)  # --cross-host's sides
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # the address a side binds
     args = parser.parse_args(argv)
-    if args.target is None:
+    if args.cross_host and (args.transport == "shm" or args.shm_ring):
+        parser.error("--cross-host: shm moves bytes within one host only; use grpc or collective")
+    if args.target is None and not args.cross_host:  # the targets are same-host ones
         args.target = TARGETS.get(args.transport)
     args.name = args.transport + ("-ring" if args.shm_ring else "")
+    args.secret = SECRET
     args.load_before = os.getloadavg()[0]
     torch.set_num_threads(1)
+    if args.cross_host:
+        from bench.kv_transfer_hosts import cross_host_main
 
-    max_tokens = max(args.tokens)
-    blocks_needed = -(-max_tokens // args.block_size)
-    num_blocks = blocks_needed + 64
-    requests = {f"req-{t}": scattered_ids(num_blocks, -(-t // args.block_size), seed=t) for t in args.tokens}
+        return cross_host_main(args, sys.argv[1:] if argv is None else argv)
+
+    num_blocks, requests = pull_plan(args)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=producer_main, args=(child, args, num_blocks, requests))
     proc.start()
+    child.close()  # the child has its copy: its exit ends our recv (EOFError) instead of a hang
     try:
         address, raw_address = parent.recv()
         rows = run_pulls(args, address, raw_address, num_blocks, requests, parent)
@@ -218,12 +265,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_pulls(
-    args, address: str, raw_address: str | None, num_blocks: int, requests: dict[str, list[int]], producer
+    args,
+    address: str,
+    raw_address: str | None,
+    num_blocks: int,
+    requests: dict[str, list[int]],
+    producer,
+    ceilings: dict[str, Callable[[int], float]] | None = None,
 ) -> list[dict]:
-
+    """Time each request's pull, memcpy, staging alone and the ceilings (raw gRPC when raw_address
+    is set; `ceilings`: more, name -> seconds to move n bytes) of the same byte count."""
     local = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, False)
     source = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, True)
-    transport = create_transport(args.transport, KVTransferSettings(secret=SECRET, max_chunk_bytes=args.chunk_bytes))
+    transport = create_transport(args.transport, transport_settings(args))
     client = transport.connect(address)
     client.handshake(local.layout, "bench-decode")
     scatterer = BlockScatterer(local, args.chunk_bytes)
@@ -274,6 +328,10 @@ def run_pulls(
             # both processes' CPU time per wall second of transfer (2.0 = both cores busy)
             "cpu_cores_busy": cpu / sum(times[1:]),
         }
+        for name, timer in (ceilings or {}).items():
+            ceiling_s = timer(nbytes)
+            row[f"raw_{name}_GBps"] = nbytes / ceiling_s / 1e9
+            row[f"ratio_to_raw_{name}"] = ceiling_s / transfer_s
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -281,12 +339,17 @@ def run_pulls(
     return rows
 
 
-def write_results(args, rows: list[dict]) -> None:
+def write_results(args, rows: list[dict], label=None, method=METHOD, how=None, notes=(), **extra) -> None:
+    """bench/results/<date>-kv-transfer-<label>.{json,md}. label, how: default the transport's
+    name and HOW line; `notes`: more lines under the table; `extra`: more top-level JSON keys."""
+    label = label or args.name
     stamp = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
+    ceilings = [name for name in CEILINGS if f"raw_{name}_GBps" in rows[0]]
     meta = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "transport": args.name,
+        **extra,
         "layout": {
             "layers": args.layers,
             "kv_heads": args.kv_heads,
@@ -302,26 +365,28 @@ def write_results(args, rows: list[dict]) -> None:
             # the machine is shared: 1-minute load average before and after the run
             "loadavg_1m": [args.load_before, os.getloadavg()[0]],
         },
-        "method": "median of repeats (each pull followed by one memcpy); cache-to-cache pull between two processes on 127.0.0.1, both "
-        "caches on 2 MiB pages as the connector backs them; memcpy = ctypes.memmove of the same "
-        "byte count between two buffers on 2 MiB pages, one thread, same run",
+        "method": method,
         "rows": rows,
     }
-    name = f"{stamp}-kv-transfer-{args.name}"
+    name = f"{stamp}-kv-transfer-{label}"
     (args.out / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    heads = "".join(f" {CEILINGS[c]} GB/s | transfer / {CEILINGS[c]} |" for c in ceilings)
     lines = [
-        f"# KV transfer benchmark ({args.name}), {meta['date']}",
+        f"# KV transfer benchmark ({label}), {meta['date']}",
         "",
         f"Layout: {args.layers} layers, {args.kv_heads} KV heads, head dim {args.head_dim}, bf16, "
         f"block size {args.block_size}; chunks of {args.chunk_bytes >> 20} MiB. {meta['method']}. "
         f"Machine: {meta['machine']['cpus']} CPUs, shared; 1-min load average "
         f"{meta['machine']['loadavg_1m'][0]:.1f} before, {meta['machine']['loadavg_1m'][1]:.1f} after.",
         "",
-        "| tokens | MiB | transfer GB/s | memcpy GB/s | transfer / memcpy | raw gRPC GB/s | transfer / raw gRPC | staging only GB/s | CPU cores busy |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| tokens | MiB | transfer GB/s | memcpy GB/s | transfer / memcpy |{heads} staging only GB/s | CPU cores busy |",
+        "|---:|---:|---:|---:|---:|" + "---:|---:|" * len(ceilings) + "---:|---:|",
     ]
     for r in rows:
-        raw = f"{r['raw_grpc_GBps']:.2f} | {r['ratio_to_raw_grpc']:.2f}x" if r["raw_grpc_GBps"] else "- | -"
+        raw = " | ".join(
+            f"{r[f'raw_{c}_GBps']:.2f} | {r[f'ratio_to_raw_{c}']:.2f}x" if r[f"raw_{c}_GBps"] else "- | -"
+            for c in ceilings
+        )
         lines.append(
             f"| {r['tokens']} | {r['bytes'] / 2**20:.0f} | {r['transfer_GBps']:.2f} | "
             f"{r['memcpy_GBps']:.2f} | **{r['ratio_to_memcpy']:.2f}x** | {raw} | {r['staging_only_GBps']:.2f} | "
@@ -336,11 +401,12 @@ def write_results(args, rows: list[dict]) -> None:
     lines += [
         "",
         "- transfer: cache-to-cache pull through the connector's transport (handshake done once).",
-        f"  {HOW[args.name]}",
+        f"  {how or HOW[args.name]}",
         "- raw gRPC: the same byte count as fresh chunk-sized messages through grpcio with the",
         "  same channel options and no KV work — the ceiling any gRPC transport can reach here.",
         "- staging only: gather + scatter in one process (no transport).",
         "- CPU cores busy: user+system CPU of producer and consumer per second of transfer.",
+        *notes,
     ]
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out / name}.md")
