@@ -10,9 +10,13 @@ CONFIG ?= configs/local-cpu.yaml
 # on machines without a local wheel folder holding torch 2.13.0+cpu.
 PIP_EXTRA ?=
 
-.PHONY: setup run test test-unit test-e2e lint format protos clean
+.PHONY: setup system run test test-unit test-e2e lint format protos clean
 
-setup: $(STAMP)
+setup: $(STAMP) system
+
+# System packages (apt) the tests use: installed when missing and possible (tools/system_deps.sh).
+system:
+	@tools/system_deps.sh
 
 $(STAMP): $(LOCK) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +39,7 @@ lint: $(STAMP)
 format: $(STAMP)
 	@$(VENV)/bin/ruff format --quiet . && $(VENV)/bin/ruff check --fix --quiet .
 
-test: lint
+test: lint system
 	@$(PY) -m pytest -q tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

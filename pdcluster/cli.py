@@ -137,6 +137,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         address, head_pid = start_local_head(config.ray.num_cpus, state_home() / "logs" / f"{config.name}-ray-head.log")
     session = Session(config.name, address, config.ray.namespace, head_pid=head_pid, config_path=str(args.config))
     session.save()
+    controller = None
     try:
         ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False, logging_level=logging.WARNING)
         # The controller and the router go to the head (or router.placement): a node none can
@@ -160,7 +161,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if not _await_ready(controller, args.timeout):
             raise PDClusterError("cluster did not become ready; see the replica errors above")
     except BaseException:
-        _teardown(session)
+        _teardown(session, controller_started=controller is not None)
         raise
     out(f"pdcluster {config.name} ready: {session.endpoint}")
     if not args.foreground:
@@ -201,13 +202,15 @@ def _await_ready(controller, timeout_s: float) -> bool:
             return False
 
 
-def _teardown(session) -> None:
+def _teardown(session, controller_started: bool = True) -> None:
+    """Stop the cluster's controller (it stops the engines and the router), then the Ray head we
+    started, and remove the record; `controller_started=False`: `up` failed before creating one."""
     import ray
 
     from pdcluster.orchestrator.session import stop_process_group
 
     try:
-        if session.ray_address and (ray.is_initialized() or session.head_pid is None):
+        if controller_started and session.ray_address and (ray.is_initialized() or session.head_pid is None):
             controller = _connect(session)
             ray.get(controller.shutdown.remote(), timeout=180)
             ray.kill(controller, no_restart=True)

@@ -19,7 +19,7 @@ import pytest
 from pdcluster.keys import engine_http_token
 from tests.support.cluster import TEST_DTYPE, cli, cluster_up, leftover_processes, write_config
 from tests.support.engines import run_engine, tiny_engine
-from tests.support.identity import Greedy, assert_same_greedy, identity_fields
+from tests.support.identity import Greedy, assert_same_greedy, greedy_completion
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -38,10 +38,7 @@ RAY_MARKERS = ("raylet", "gcs_server", "ray::", "default_worker.py", "ray.script
 
 def greedy(http: httpx.Client, prompt, headers: dict | None = None) -> Greedy:
     """A greedy completion with its logprobs (tokens and logprobs compared, identity.py)."""
-    body = {"model": NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **identity_fields()}
-    response = http.post("/v1/completions", json=body, headers=headers or {})
-    assert response.status_code == 200, response.text
-    return Greedy.from_choice(response.json()["choices"][0])
+    return greedy_completion(http, prompt, MAX_TOKENS, NAME, headers)
 
 
 @pytest.fixture(scope="module")

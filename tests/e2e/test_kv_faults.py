@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
 from tests.support.engines import run_engine, tiny_engine
-from tests.support.identity import Greedy, assert_same_greedy, identity_fields
+from tests.support.identity import Greedy, assert_same_greedy, greedy_completion
 from tests.support.prompts import token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -52,10 +52,7 @@ def reference(tmp_path_factory):
 
 
 def greedy(http: httpx.Client, prompt) -> Greedy:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, **identity_fields()}
-    response = http.post("/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    return Greedy.from_choice(response.json()["choices"][0])
+    return greedy_completion(http, prompt, 12, NAME)
 
 
 def test_recompute_policy_survives_dropped_unreachable_and_timed_out_pulls(tmp_path, reference):

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from tests.support.engines import MODEL, REPO
+from tests.support.hosts import Host
 
 PDCLUSTER = [sys.executable, "-m", "pdcluster.cli"]
 TEST_DTYPE = "float32"
@@ -50,9 +51,13 @@ def _merge(base: dict, extra: dict) -> None:
             base[key] = value
 
 
-def cli(home: Path, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PDCLUSTER_HOME=str(home))
-    result = subprocess.run([*PDCLUSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def cli(
+    home: Path, *args: str, timeout: float = 900, check: bool = True, host: Host | None = None
+) -> subprocess.CompletedProcess:
+    """`pdcluster ARGS` with its state in `home`; run inside test host `host` when given."""
+    env = dict(os.environ, PDCLUSTER_HOME=str(home), PYTHONPATH=str(REPO))
+    argv = [*PDCLUSTER, *args] if host is None else host.command(*PDCLUSTER, *args)
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(
             f"pdcluster {' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
@@ -66,20 +71,24 @@ class RunningCluster:
     config_path: Path
     name: str
     endpoint: str
+    host: Host | None = None  # the test host its CLI runs on (None: this machine)
+
+    def cli(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        return cli(self.home, *args, host=self.host, **kwargs)
 
     def status(self) -> dict:
-        return json.loads(cli(self.home, "status", "--json", "--name", self.name).stdout)
+        return json.loads(self.cli("status", "--json", "--name", self.name).stdout)
 
 
 @contextlib.contextmanager
-def cluster_up(home: Path, config_path: Path) -> Iterator[RunningCluster]:
+def cluster_up(home: Path, config_path: Path, host: Host | None = None) -> Iterator[RunningCluster]:
     name = yaml.safe_load(config_path.read_text())["name"]
-    up = cli(home, "up", str(config_path))
+    up = cli(home, "up", str(config_path), host=host)
     endpoint = up.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
     try:
-        yield RunningCluster(home, config_path, name, endpoint)
+        yield RunningCluster(home, config_path, name, endpoint, host)
     finally:
-        cli(home, "down", "--name", name, timeout=300, check=False)
+        cli(home, "down", "--name", name, timeout=300, check=False, host=host)
 
 
 def leftover_processes(markers: tuple[str, ...]) -> list[str]:

@@ -14,20 +14,27 @@ multinode-netns.md has what was measured on this kernel (no netem; nftables and 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 SUBNET = "198.18.{group}.{host}"  # 198.18.0.0/15: RFC 2544 benchmarking addresses, never routed
 PREFIX = 24
 SHM_BYTES = 512 << 20
+RAY_DIR = "/tmp/ray"  # Ray's default state directory, private to each host
+RAY_DIR_BYTES = 2 << 30
+RAY_STARTED = "Ray runtime started"
 
 
 def require_root() -> None:
@@ -65,6 +72,63 @@ class Host:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.init_pid, signal.SIGKILL)
 
+    def start_ray(
+        self,
+        head: Host | None = None,
+        *,
+        port: int = 6379,
+        num_cpus: int = 1,
+        labels: dict[str, str] | None = None,
+        resources: dict[str, float] | None = None,
+        object_store_bytes: int = 100 << 20,
+    ) -> subprocess.Popen:
+        """A Ray node on this host (`ray start --block`): the head (head=None, on `port`) or a
+        node joining `head`'s; returns once Ray says it started. It ends with the host."""
+        ray = str(Path(sys.executable).with_name("ray"))
+        argv = [ray, "start", "--block", f"--node-ip-address={self.address}", f"--num-cpus={num_cpus}"]
+        argv += [f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
+        if head is None:
+            argv += ["--head", f"--port={port}", "--include-dashboard=false"]
+        else:
+            argv += [f"--address={head.address}:{port}"]
+        if labels:
+            argv.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+        if resources:
+            argv.append("--resources=" + json.dumps(resources))
+        node = self.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = []
+        for line in node.stdout:  # await Ray's own "started" message
+            seen.append(line)
+            if RAY_STARTED in line:
+                # What it prints later is read on (a full pipe would block it).
+                threading.Thread(target=node.stdout.read, daemon=True).start()
+                return node
+        raise AssertionError(f"ray start on {self.name} exited {node.wait()}: {''.join(seen[-20:])}")
+
+    def pids(self, marker: str) -> list[int]:
+        """Pids (as this machine sees them) of the host's live processes whose command line
+        contains `marker`."""
+        found = []
+        namespace = os.readlink(f"/proc/{self.init_pid}/ns/pid")
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            pid = int(entry)
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") != namespace:
+                    continue
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(") ", 1)[1].startswith("Z"):
+                        continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(pid)
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue  # exited meanwhile
+            except PermissionError:
+                continue  # not ours to inspect (a container's own processes): not the host's
+        return found
+
     def alive(self) -> bool:
         try:
             with open(f"/proc/{self.init_pid}/stat") as f:
@@ -99,8 +163,12 @@ def make_hosts(count: int, group: int = 0) -> Iterator[list[Host]]:
             _run("ip", "-n", name, "addr", "add", f"{address}/{PREFIX}", "dev", "eth0")
             _run("ip", "-n", name, "link", "set", "eth0", "up")
             _run("ip", "-n", name, "link", "set", "lo", "up")
+            # Its own /dev/shm, and its own Ray state directory (sockets, session): two Ray
+            # nodes on one filesystem would otherwise share /tmp/ray's session paths.
             setup = (
-                f"hostname {name} && mount -t tmpfs -o size={SHM_BYTES},mode=1777 tmpfs /dev/shm && exec sleep infinity"
+                f"hostname {name} && mount -t tmpfs -o size={SHM_BYTES},mode=1777 tmpfs /dev/shm && "
+                f"mkdir -p {RAY_DIR} && mount -t tmpfs -o size={RAY_DIR_BYTES},mode=1777 tmpfs {RAY_DIR} && "
+                "exec sleep infinity"
             )
             init = subprocess.Popen(
                 ["ip", "netns", "exec", name, "unshare", "--uts", "--ipc", "--mount", "--propagation", "private",
@@ -119,6 +187,8 @@ def make_hosts(count: int, group: int = 0) -> Iterator[list[Host]]:
             with contextlib.suppress(ProcessLookupError):
                 init.kill()
             init.wait(30)
+            if init.stderr is not None:
+                init.stderr.close()
         for name in made_netns:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         for link in reversed(made_links):

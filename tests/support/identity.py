@@ -68,6 +68,15 @@ def identity_fields() -> dict[str, Any]:
     return {"logprobs": TOP_LOGPROBS, "return_token_ids": True, "return_tokens_as_token_ids": True}
 
 
+def greedy_completion(http, prompt, max_tokens: int, model: str = "tiny", headers: dict | None = None) -> Greedy:
+    """A greedy /v1/completions answer of `http` (an httpx.Client on an engine or the router),
+    with what identity is judged on."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **identity_fields()}
+    response = http.post("/v1/completions", json=body, headers=headers or {})
+    assert response.status_code == 200, response.text
+    return Greedy.from_choice(response.json()["choices"][0])
+
+
 @dataclass(frozen=True)
 class Verdict:
     matched: int  # leading tokens equal

@@ -1,0 +1,255 @@
+"""pdcluster on a Ray cluster of several hosts (test hosts: network namespaces with their own
+hostname, IPC, /dev/shm and PID namespace, tests/support/hosts.py): the Ray head with the router
+and controller on host 1, prefill on host 2, decode on host 3, placed by node labels, KV crossing
+the (virtual) network. Then the network between prefill and decode turns bad (loss, a partition,
+delay), decode scales onto a fourth host, and host 3's Ray node is lost.
+
+One cluster for the module (the tests run in order and build on each other), float32 so that
+greedy identity with one aggregated engine is exact (tests/support/identity.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.support.cluster import TEST_DTYPE, cli, cluster_up, write_config
+from tests.support.engines import run_engine, tiny_engine
+from tests.support.hosts import make_hosts
+from tests.support.identity import assert_same_greedy, greedy_completion
+from tests.support.netfaults import delay, loss, partition, require_nft
+from tests.support.prompts import token_prompt
+
+pytestmark = pytest.mark.e2e
+
+NAME = "tiny"
+# Each test its own prompts: one a decode replica already holds (its prefix cache) pulls nothing.
+PROMPTS = [token_prompt(150 + 30 * i, offset=257 * i) for i in range(22)]
+IDENTITY, LOSSY, PARTITIONED, HEALED, SCALED = (slice(0, 4), slice(4, 10), slice(10, 14), slice(14, 16), slice(16, 22))
+MAX_TOKENS = 16
+KV_PORTS = (47000, 47999)
+LEASE_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    spec = tiny_engine("hosts-reference", dtype=TEST_DTYPE, speculative={"method": "mtp", "num_speculative_tokens": 1})
+    with run_engine(spec, tmp_path_factory.mktemp("hosts-ref")) as engine, engine.client() as http:
+        return [greedy_completion(http, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with make_hosts(4) as made:
+        head, prefill, decode, spare = made
+        require_nft(decode)
+        head.start_ray(num_cpus=0)  # the router and controller need no CPU; no engine fits here
+        prefill.start_ray(head, labels={"pool": "prefill"})
+        decode.start_ray(head, labels={"pool": "decode"})
+        yield made  # `spare` joins as a second decode host when a test needs it
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, hosts, reference):
+    head = hosts[0]
+    home = tmp_path_factory.mktemp("pdcluster-hosts")
+    config = write_config(
+        home / "cluster.yaml",
+        name="e2e-hosts",
+        ray={"address": f"{head.address}:6379"},
+        router={"host": "0.0.0.0"},
+        kv_transfer={"bind_host": "0.0.0.0", "lease_seconds": LEASE_S, "pull_timeout_seconds": 3},
+        roles={
+            "prefill": {"resources": {"cpus": 1}, "placement": {"labels": {"pool": "prefill"}}},
+            "decode": {"resources": {"cpus": 1}, "placement": {"labels": {"pool": "decode"}}},
+        },
+    )
+    with cluster_up(home, config, host=head) as running:
+        yield running
+
+
+def greedy_all(cluster, prompts) -> list:
+    with httpx.Client(base_url=cluster.endpoint, timeout=120) as http:
+        return [greedy_completion(http, p, MAX_TOKENS) for p in prompts]
+
+
+def assert_identical(reference, part: slice, outputs, what: str) -> None:
+    for i, (expected, got) in enumerate(zip(reference[part], outputs, strict=True)):
+        assert_same_greedy(expected, got, TEST_DTYPE, f"{what}, prompt {part.start + i}")
+
+
+def rows(status: dict, role: str, state: str = "ready") -> list[dict]:
+    return [r for r in status["replicas"] if r["role"] == role and r["state"] == state]
+
+
+def wait_status(cluster, predicate, timeout_s: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not predicate(status := cluster.status()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {json.dumps(status['replicas'], default=str)[:3000]}")
+        time.sleep(1)  # status is polled; the controller publishes changes within a second
+    return status
+
+
+def stats_of(cluster, role: str) -> dict:
+    return rows(cluster.status(), role)[0]["stats"]
+
+
+def test_roles_run_where_placed_and_kv_crosses_hosts_identically(cluster, hosts, reference):
+    head, prefill_host, decode_host, _ = hosts
+    # The endpoint is the head's address (the router runs there), reachable from another machine.
+    assert cluster.endpoint.startswith(f"http://{head.address}:")
+    assert_identical(reference, IDENTITY, greedy_all(cluster, PROMPTS[IDENTITY]), "across hosts")
+    status = cluster.status()
+    (prefill,), (decode,) = rows(status, "prefill"), rows(status, "decode")
+    assert prefill["node"] == prefill_host.address and decode["node"] == decode_host.address
+    # Different hosts: the cross-host backend moved the KV (no shm or direct copy between them).
+    assert decode["kv_backends"] == {f"e2e-hosts-{prefill['replica']}": "grpc"}, decode["kv_backends"]
+    text = cluster.cli("status", "--name", cluster.name).stdout
+    assert decode_host.address in text and "grpc" in text
+
+
+def test_a_role_or_router_no_node_can_host_fails_up_naming_it(tmp_path, hosts):
+    head = hosts[0]
+    for name, section, expected in (
+        (
+            "e2e-nogpu",
+            {"roles": {"decode": {"placement": {"labels": {"pool": "gpu"}}}}},
+            "roles.decode.placement: no live Ray node has label pool=gpu (nodes: ",
+        ),
+        (
+            "e2e-norouter",
+            {"router": {"placement": {"resources": {"router_host": 1}}}},
+            "router.placement: no live Ray node has resource router_host ≥ 1 (most: 0)",
+        ),
+    ):
+        config = write_config(tmp_path / f"{name}.yaml", name=name, ray={"address": f"{head.address}:6379"}, **section)
+        up = cli(tmp_path, "up", str(config), host=head, check=False, timeout=300)
+        assert up.returncode == 2, up.stderr
+        lines = up.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"pdcluster: {expected}"), up.stderr
+        assert not (tmp_path / f"{name}.json").exists()  # nothing left running or recorded
+
+
+def test_packet_loss_between_prefill_and_decode_costs_no_request(cluster, hosts, reference):
+    _, prefill_host, decode_host, _ = hosts
+    before = stats_of(cluster, "decode")
+    with loss(decode_host, prefill_host.address, KV_PORTS, percent=5) as rules:
+        outputs = greedy_all(cluster, PROMPTS[LOSSY])
+        dropped = rules.packets()
+    assert_identical(reference, LOSSY, outputs, "5 % loss")
+    assert dropped > 0  # the loss did bite the KV traffic (TCP retransmitted it)
+    # Pulls served them: none gave up and recomputed (the engine's counters reach status
+    # within a monitor interval).
+    status = wait_status(
+        cluster,
+        lambda s: (
+            (d := rows(s, "decode")[0]["stats"])["kv_pulls_ok"] + d["kv_pulls_failed"]
+            >= before["kv_pulls_ok"] + before["kv_pulls_failed"] + len(outputs)
+        ),
+        30,
+        "the decode's pull counters",
+    )
+    assert rows(status, "decode")[0]["stats"]["kv_pulls_failed"] == before["kv_pulls_failed"]
+
+
+def test_a_partition_between_prefill_and_decode_recomputes_and_frees_the_prefill_blocks(cluster, hosts, reference):
+    _, prefill_host, decode_host, _ = hosts
+    before = stats_of(cluster, "decode")["kv_pulls_failed"]
+    expired = stats_of(cluster, "prefill")["kv_leases_expired"]
+    with partition(decode_host, prefill_host.address, KV_PORTS) as rules:
+        started = time.monotonic()
+        outputs = greedy_all(cluster, PROMPTS[PARTITIONED])  # none hangs: pulls time out, decode recomputes
+        assert rules.packets() > 0
+        # The release cannot reach the prefill either: its blocks come back at lease expiry.
+        status = wait_status(
+            cluster,
+            lambda s: (
+                rows(s, "prefill")[0]["stats"]["kv_cache_usage"] == 0.0
+                and rows(s, "prefill")[0]["stats"]["kv_leases_expired"] >= expired + len(outputs)
+            ),
+            60,
+            "the prefill's leases to expire",
+        )
+    assert_identical(reference, PARTITIONED, outputs, "partitioned (recomputed)")
+    assert stats_of(cluster, "decode")["kv_pulls_failed"] >= before + len(outputs)
+    assert time.monotonic() - started >= LEASE_S  # freed by expiry, not by a release
+    assert rows(status, "decode")  # and the decode replica stayed in service
+    assert_identical(reference, HEALED, greedy_all(cluster, PROMPTS[HEALED]), "healed")
+
+
+def test_scaling_decode_places_the_new_replica_on_another_host(cluster, hosts, reference):
+    head, prefill_host, decode_host, spare = hosts
+    spare.start_ray(head, num_cpus=2, labels={"pool": "decode"})
+    # ~50 ms each way between the new decode host and the prefill, from its first connection.
+    with delay(spare, prefill_host.address, KV_PORTS, ms=50) as relay:
+        cluster.cli("scale", "decode", "2", "--wait", "--name", cluster.name)
+        status = cluster.status()
+        nodes = sorted(r["node"] for r in rows(status, "decode"))
+        assert nodes == sorted([decode_host.address, spare.address]), nodes
+        # Concurrent requests spread over both decode replicas (least loaded), the new one's
+        # pulls through the delay.
+        with ThreadPoolExecutor(4) as pool:
+            outputs = list(pool.map(lambda p: greedy_all(cluster, [p])[0], PROMPTS[SCALED]))
+        assert relay.connections > 0
+    assert_identical(reference, SCALED, outputs, "two decode hosts, one behind 50 ms")
+
+
+def test_losing_a_hosts_ray_node_restarts_its_replica_on_another_host(cluster, hosts):
+    _, _, decode_host, spare = hosts
+    status = cluster.status()
+    victim = next(r["replica"] for r in rows(status, "decode") if r["node"] == decode_host.address)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    generating = threading.Semaphore(0)
+
+    def long_stream(prompt: list[int]) -> None:
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 800, "temperature": 0, "stream": True}
+        body["ignore_eos"] = True
+        outcome, lines = "incomplete", 0
+        with (
+            httpx.Client(base_url=cluster.endpoint, timeout=300) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                lines += 1
+                if lines == 4:
+                    generating.release()  # past the prefill's token: decode is generating it
+                if line.startswith('data: {"error"'):
+                    outcome = "error"
+                elif line == "data: [DONE]" and outcome == "incomplete":
+                    outcome = "complete"
+        with lock:
+            outcomes.append(outcome)
+
+    # The node goes away as a crashed machine's would: its raylet is killed; Ray's workers on it
+    # exit, and the engines they hosted must not outlive them (engine/lifetime.py).
+    streams = [token_prompt(60, offset=5000 + 97 * i) for i in range(4)]
+    with ThreadPoolExecutor(len(streams)) as pool:
+        futures = [pool.submit(long_stream, p) for p in streams]
+        assert all(generating.acquire(timeout=120) for _ in streams), "the streams did not start"
+        assert decode_host.pids("VLLM::EngineCore")
+        for pid in decode_host.pids("raylet"):
+            os.kill(pid, signal.SIGKILL)
+        for future in futures:
+            future.result(timeout=300)  # none hangs
+    assert len(outcomes) == len(futures) and "incomplete" not in outcomes, outcomes
+    status = wait_status(
+        cluster,
+        lambda s: len(rows(s, "decode")) == 2 and victim not in [r["replica"] for r in rows(s, "decode")],
+        240,
+        "the lost decode replica's replacement",
+    )
+    assert sorted(r["node"] for r in rows(status, "decode")) == [spare.address, spare.address]
+    deadline = time.monotonic() + 60
+    while orphans := decode_host.pids("VLLM"):
+        assert time.monotonic() < deadline, f"engine processes outlived their node: {orphans}"
+        time.sleep(0.5)  # poll interval
+    assert greedy_all(cluster, PROMPTS[IDENTITY])  # serving on the hosts that are left
