@@ -7,7 +7,9 @@ replicas DEAD (their actor gone, their engine dead, or HEALTH_FAILURES health ch
 unanswered) and refills the empty replica slots of each role (reconcile.py: a slot's restarts
 are budgeted and paused, and a replica that failed to start is retried later). `scale(role, n)` adds replicas (traffic once ready) or drains some
 (no new requests; stopped once nothing is in flight and, for prefill, no KV lease is held).
-`status()` is what `pdcluster status` prints. Worker actors are owned by the controller, so they
+Replicas go to the Ray nodes their role's placement allows (placement.py); a role no live
+node can host is reported once and waits for one. `status()` is what `pdcluster status` prints
+(rows: status.py). Worker actors are owned by the controller, so they
 share its fate; `shutdown()` stops engines gracefully before their actors are killed.
 """
 
@@ -31,6 +33,7 @@ from pdcluster.orchestrator.placement import actor_options, demand, orchestrator
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import RouterActor, RouterSettings
+from pdcluster.orchestrator.status import replica_row
 
 logger = logging.getLogger(__name__)
 
@@ -437,43 +440,8 @@ class Controller:
     async def status(self) -> dict[str, Any]:
         latency = await self.router.latency.remote() if self.router is not None else {}
         inflight = await self.router.inflight.remote() if self.router is not None else {}
-        rows = []
-        for pool in self.pools.values():
-            for r in pool:
-                info = r.info or {}
-                stats = info.get("stats") or {}
-                lat = latency.get(r.replica_id, {})
-                rows.append(
-                    {
-                        "replica": r.replica_id,
-                        "role": r.role,
-                        "node": r.node,
-                        "state": r.state.label,
-                        "stage": r.stage,
-                        "url": r.url,
-                        "error": r.error,
-                        "inflight": inflight.get(r.replica_id, 0),
-                        "running": stats.get("running", 0),
-                        "waiting": stats.get("waiting", 0),
-                        "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
-                        "ttft_p50": (lat.get("ttft") or {}).get("p50"),
-                        "ttft_p99": (lat.get("ttft") or {}).get("p99"),
-                        "itl_p50": (lat.get("itl") or {}).get("p50"),
-                        "itl_p99": (lat.get("itl") or {}).get("p99"),
-                        "prefill_p50": (lat.get("phase") or {}).get("p50"),
-                        "prefill_p99": (lat.get("phase") or {}).get("p99"),
-                        "async_scheduling": info.get("async_scheduling"),
-                        "async_scheduling_reason": info.get("async_scheduling_reason", ""),
-                        "single_process": info.get("single_process"),
-                        "single_process_reason": info.get("single_process_reason", ""),
-                        "kv_backend": self.config.kv_transfer.backend if r.role != "aggregated" else None,
-                        # decode: the backend used with each prefill engine it pulled from
-                        "kv_backends": stats.get("kv_backends") or {},
-                        "rss_bytes": info.get("rss_bytes"),
-                        "stats": stats,
-                        "transitions": r.transitions,
-                    }
-                )
+        backend = self.config.kv_transfer.backend
+        rows = [replica_row(r, latency, inflight, backend) for pool in self.pools.values() for r in pool]
         router_rss = await self.router.rss_bytes.remote() if self.router is not None else None
         return {
             "name": self.config.name,
