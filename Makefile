@@ -12,7 +12,7 @@ PIP_EXTRA ?=
 
 .PHONY: setup system run test test-unit test-e2e lint format protos clean
 
-setup: $(STAMP) system
+setup: system $(STAMP)
 
 # System packages (apt) the tests use: installed when missing and possible (tools/system_deps.sh).
 system:
@@ -28,7 +28,7 @@ $(STAMP): $(LOCK) pyproject.toml
 	@$(PY) tools/check_env.py
 	@touch $(STAMP)
 
-run: $(STAMP)
+run: system $(STAMP)
 	@$(VENV)/bin/pdcluster up $(CONFIG) --foreground
 
 # The lint (ruff: style, imports, common bugs, formatting) runs first: a tree it refuses fails.
@@ -39,7 +39,7 @@ lint: $(STAMP)
 format: $(STAMP)
 	@$(VENV)/bin/ruff format --quiet . && $(VENV)/bin/ruff check --fix --quiet .
 
-test: lint system
+test: system lint
 	@$(PY) -m pytest -q tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

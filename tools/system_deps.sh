@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# System packages the tests and multi-node features use, installed when missing (Debian/Ubuntu,
-# as root: CI and the dev machines); elsewhere the exact command to run is printed and the tests
-# that need them skip with that reason.
-#   nft (nftables)          network faults between test hosts (tests/support/netfaults.py)
-#   ip, nsenter, unshare    test hosts (tests/support/hosts.py)
+# System packages pdcluster and its tests need (Debian/Ubuntu), installed when missing and this
+# runs as root (CI and the dev machines); otherwise the exact command to run is printed.
+#   required   libibverbs1, librdmacm1   Mooncake's transfer engine links them, also for TCP
+#                                        (the `mooncake` KV backend); setup stops without them
+#   tests      nft (nftables)            network faults between test hosts (tests/support/netfaults.py)
+#              ip, nsenter, unshare      test hosts (tests/support/hosts.py); tests skip without them
 set -euo pipefail
 
-declare -A PACKAGE=([nft]=nftables [ip]=iproute2 [nsenter]=util-linux [unshare]=util-linux)
-missing=()
-for command in "${!PACKAGE[@]}"; do
-  command -v "$command" >/dev/null 2>&1 || missing+=("${PACKAGE[$command]}")
+declare -A LIBRARY=([libibverbs.so.1]=libibverbs1 [librdmacm.so.1]=librdmacm1)
+declare -A COMMAND=([nft]=nftables [ip]=iproute2 [nsenter]=util-linux [unshare]=util-linux)
+required=()
+optional=()
+for library in "${!LIBRARY[@]}"; do
+  ldconfig -p 2>/dev/null | grep -q "$library" || required+=("${LIBRARY[$library]}")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
-packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
+for command in "${!COMMAND[@]}"; do
+  command -v "$command" >/dev/null 2>&1 || optional+=("${COMMAND[$command]}")
+done
+missing=$(printf '%s\n' "${required[@]}" "${optional[@]}" | grep -v '^$' | sort -u | tr '\n' ' ' || true)
+[ -z "$missing" ] && exit 0
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "Installing system packages: $packages"
+  echo "Installing system packages: $missing"
   export DEBIAN_FRONTEND=noninteractive
   # shellcheck disable=SC2086
-  apt-get install -y -q --no-install-recommends $packages >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $packages >/dev/null; }
-else
-  echo "pdcluster: missing system packages ($packages); run: sudo apt-get install -y $packages" >&2
+  apt-get install -y -q --no-install-recommends $missing >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $missing >/dev/null; }
+  exit 0
 fi
+if [ ${#required[@]} -gt 0 ]; then
+  echo "pdcluster: missing system packages; run: sudo apt-get install -y $missing" >&2
+  exit 1
+fi
+echo "pdcluster: missing system packages for some tests (they skip); run: sudo apt-get install -y $missing" >&2

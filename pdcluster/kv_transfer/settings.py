@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from pdcluster.errors import ConfigError
 
-Backend = Literal["auto", "grpc", "shm", "collective"]
+Backend = Literal["auto", "grpc", "shm", "collective", "mooncake"]
 EPHEMERAL_PORTS = (0, 0)
 MAX_CHUNK_LIMIT = 256 << 20  # gRPC messages carry a chunk; grpcio refuses sizes near 2 GiB
 DAY = 86400.0  # bound of every duration: timedelta and gRPC deadlines overflow far beyond it
@@ -82,13 +82,26 @@ class TLSSettings(_Section):
         )
 
 
+class MooncakeSettings(_Section):
+    """Mooncake's transfer engine (the `mooncake` backend; kv_transfer/transports/mooncake.py)."""
+
+    protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="tcp (any network; tested here) or rdma (IB/RoCE NICs; untested here)."
+    )
+    device_name: str = Field(
+        "", description="rdma: the NIC(s) to use, e.g. 'mlx5_0' (empty: Mooncake picks by topology)."
+    )
+
+
 class KVTransferSettings(_Section):
     backend: Backend = Field(
         "auto",
-        description="KV transport: auto (shm on one node, collective between same-kind "
-        "accelerators, else grpc), or force grpc, shm (same node) or collective "
-        "(torch.distributed: gloo on CPU, NCCL on CUDA, HCCL on Ascend).",
+        description="KV transport: auto (shm on one node; between nodes mooncake where both "
+        "engines have it, else collective between same-kind accelerators, else grpc), or force "
+        "grpc, shm (same node), collective (torch.distributed: gloo on CPU, NCCL on CUDA, HCCL "
+        "on Ascend) or mooncake (Mooncake's transfer engine).",
     )
+    mooncake: MooncakeSettings = Field(default_factory=MooncakeSettings, description="The mooncake backend.")
     bind_host: str = Field("127.0.0.1", description="Address KV servers bind to.")
     advertise_host: str | None = Field(
         None, description="Address decode engines dial; default: bind_host (or the node IP for 0.0.0.0)."

@@ -117,7 +117,7 @@ class ConnectorWorker:
         )
         self.cache.back_with_huge_pages()
         self.ctx = DeviceContext(self.cache.device)
-        self.offers = offered_backends(self.settings.backend, self.cache.device.type)
+        self.offers = offered_backends(self.settings.backend, self.cache.device.type, self.settings.bind_host)
         logger.info(
             "KV cache registered: %d layers, %d blocks, %d bytes/block, device %s",
             len(self.cache.layer_names),
@@ -296,6 +296,7 @@ class ConnectorWorker:
             remote_offers=info.offers,
             remote_engine=info.engine_id or endpoint,
             encrypted=self.settings.tls is not None,
+            local_offers=self.offers,
         )
 
     def _producer_client(self, lease: KVParams) -> tuple[TransportClient, str]:

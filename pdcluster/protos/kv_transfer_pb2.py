@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x0fpdcluster.kv.v2\".\n\x10\x43hallengeRequest\x12\x1a\n\x12\x63onsumer_engine_id\x18\x01 \x01(\t\"\"\n\x11\x43hallengeResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"e\n\x13\x41uthenticateRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63lient_nonce\x18\x02 \x01(\x0c\x12\x1a\n\x12\x63onsumer_engine_id\x18\x03 \x01(\t\x12\r\n\x05proof\x18\x04 \x01(\x0c\"=\n\x14\x41uthenticateResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x14\n\x0cserver_proof\x18\x02 \x01(\x0c\"=\n\tLayerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"{\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12*\n\x06layers\x18\x03 \x03(\x0b\x32\x1a.pdcluster.kv.v2.LayerSpec\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\"j\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdcluster.kv.v2.KVLayout\"\xc4\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdcluster.kv.v2.KVLayout\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x06 \x01(\t\x12\x0e\n\x06offers\x18\x07 \x03(\t\x12\x12\n\nshm_socket\x18\x08 \x01(\t\"\x9a\x01\n\x0bPullRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1a\n\x12\x63onsumer_engine_id\x18\x04 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\x12\x15\n\rlayout_digest\x18\x06 \x01(\x04\"K\n\x0b\x43hunkHeader\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"E\n\x07KVChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.ChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"U\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransferred\x18\x02 \x01(\x08\x12\x1a\n\x12\x63onsumer_engine_id\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"?\n\x0cRenewRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1a\n\x12\x63onsumer_engine_id\x18\x02 \x01(\t\" \n\rRenewResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\r\"\x9a\x01\n\x0eShmPullRequest\x12*\n\x04pull\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.PullRequest\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\r\x12\x0e\n\x06\x64irect\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x14\n\x0cregistration\x18\x07 \x01(\tJ\x04\x08\x05\x10\x06\"<\n\x06Region\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x11\n\trow_bytes\x18\x03 \x01(\x04\"Z\n\x12ShmRegisterRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12(\n\x07regions\x18\x03 \x03(\x0b\x32\x17.pdcluster.kv.v2.Region\"+\n\x13ShmRegisterResponse\x12\x14\n\x0cregistration\x18\x01 \x01(\t\"\xd6\x01\n\x08ShmChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.ChunkHeader\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x17\n\x0flayer_addresses\x18\x06 \x03(\x04\x12\x17\n\x0fpush_from_layer\x18\x07 \x01(\r\x12\x0e\n\x06pushed\x18\x08 \x01(\x08\x12\x15\n\rpushed_layers\x18\t \x01(\r\"Y\n\x15\x43ollectiveOpenRequest\x12\x1a\n\x12\x63onsumer_engine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\"Q\n\x16\x43ollectiveOpenResponse\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\tJ\x04\x08\x01\x10\x02\"c\n\x15\x43ollectivePullRequest\x12*\n\x04pull\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.PullRequest\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\r\"_\n\x12\x43ollectiveProgress\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\"g\n\x16\x43ollectiveStoreRequest\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\"(\n\x17\x43ollectiveStoreResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x32\xb8\x07\n\nKVTransfer\x12R\n\tChallenge\x12!.pdcluster.kv.v2.ChallengeRequest\x1a\".pdcluster.kv.v2.ChallengeResponse\x12[\n\x0c\x41uthenticate\x12$.pdcluster.kv.v2.AuthenticateRequest\x1a%.pdcluster.kv.v2.AuthenticateResponse\x12R\n\tHandshake\x12!.pdcluster.kv.v2.HandshakeRequest\x1a\".pdcluster.kv.v2.HandshakeResponse\x12@\n\x04Pull\x12\x1c.pdcluster.kv.v2.PullRequest\x1a\x18.pdcluster.kv.v2.KVChunk0\x01\x12L\n\x07Release\x12\x1f.pdcluster.kv.v2.ReleaseRequest\x1a .pdcluster.kv.v2.ReleaseResponse\x12\x46\n\x05Renew\x12\x1d.pdcluster.kv.v2.RenewRequest\x1a\x1e.pdcluster.kv.v2.RenewResponse\x12X\n\x0bShmRegister\x12#.pdcluster.kv.v2.ShmRegisterRequest\x1a$.pdcluster.kv.v2.ShmRegisterResponse\x12I\n\x07ShmPull\x12\x1f.pdcluster.kv.v2.ShmPullRequest\x1a\x19.pdcluster.kv.v2.ShmChunk(\x01\x30\x01\x12\x61\n\x0e\x43ollectiveOpen\x12&.pdcluster.kv.v2.CollectiveOpenRequest\x1a\'.pdcluster.kv.v2.CollectiveOpenResponse\x12_\n\x0e\x43ollectivePull\x12&.pdcluster.kv.v2.CollectivePullRequest\x1a#.pdcluster.kv.v2.CollectiveProgress0\x01\x12\x64\n\x0f\x43ollectiveStore\x12\'.pdcluster.kv.v2.CollectiveStoreRequest\x1a(.pdcluster.kv.v2.CollectiveStoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x0fpdcluster.kv.v2\".\n\x10\x43hallengeRequest\x12\x1a\n\x12\x63onsumer_engine_id\x18\x01 \x01(\t\"\"\n\x11\x43hallengeResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"e\n\x13\x41uthenticateRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63lient_nonce\x18\x02 \x01(\x0c\x12\x1a\n\x12\x63onsumer_engine_id\x18\x03 \x01(\t\x12\r\n\x05proof\x18\x04 \x01(\x0c\"=\n\x14\x41uthenticateResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x14\n\x0cserver_proof\x18\x02 \x01(\x0c\"=\n\tLayerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"{\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12*\n\x06layers\x18\x03 \x03(\x0b\x32\x1a.pdcluster.kv.v2.LayerSpec\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\"j\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdcluster.kv.v2.KVLayout\"\x80\x02\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdcluster.kv.v2.KVLayout\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x06 \x01(\t\x12\x0e\n\x06offers\x18\x07 \x03(\t\x12\x12\n\nshm_socket\x18\x08 \x01(\t\x12\x18\n\x10mooncake_session\x18\t \x01(\t\x12 \n\x18mooncake_layer_addresses\x18\n \x03(\x04\"\x9a\x01\n\x0bPullRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1a\n\x12\x63onsumer_engine_id\x18\x04 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\x12\x15\n\rlayout_digest\x18\x06 \x01(\x04\"K\n\x0b\x43hunkHeader\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"E\n\x07KVChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.ChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"U\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransferred\x18\x02 \x01(\x08\x12\x1a\n\x12\x63onsumer_engine_id\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"?\n\x0cRenewRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1a\n\x12\x63onsumer_engine_id\x18\x02 \x01(\t\" \n\rRenewResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\r\"\x9a\x01\n\x0eShmPullRequest\x12*\n\x04pull\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.PullRequest\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\r\x12\x0e\n\x06\x64irect\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x14\n\x0cregistration\x18\x07 \x01(\tJ\x04\x08\x05\x10\x06\"<\n\x06Region\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x11\n\trow_bytes\x18\x03 \x01(\x04\"Z\n\x12ShmRegisterRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12(\n\x07regions\x18\x03 \x03(\x0b\x32\x17.pdcluster.kv.v2.Region\"+\n\x13ShmRegisterResponse\x12\x14\n\x0cregistration\x18\x01 \x01(\t\"\xd6\x01\n\x08ShmChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.ChunkHeader\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x17\n\x0flayer_addresses\x18\x06 \x03(\x04\x12\x17\n\x0fpush_from_layer\x18\x07 \x01(\r\x12\x0e\n\x06pushed\x18\x08 \x01(\x08\x12\x15\n\rpushed_layers\x18\t \x01(\r\"Y\n\x15\x43ollectiveOpenRequest\x12\x1a\n\x12\x63onsumer_engine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\"Q\n\x16\x43ollectiveOpenResponse\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\tJ\x04\x08\x01\x10\x02\"c\n\x15\x43ollectivePullRequest\x12*\n\x04pull\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.PullRequest\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\r\"_\n\x12\x43ollectiveProgress\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\"g\n\x16\x43ollectiveStoreRequest\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\"(\n\x17\x43ollectiveStoreResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\"r\n\x13MooncakeReadRequest\x12*\n\x04pull\x18\x01 \x01(\x0b\x32\x1c.pdcluster.kv.v2.PullRequest\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x12\n\nbytes_read\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"3\n\x14MooncakeReadProgress\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x32\x99\x08\n\nKVTransfer\x12R\n\tChallenge\x12!.pdcluster.kv.v2.ChallengeRequest\x1a\".pdcluster.kv.v2.ChallengeResponse\x12[\n\x0c\x41uthenticate\x12$.pdcluster.kv.v2.AuthenticateRequest\x1a%.pdcluster.kv.v2.AuthenticateResponse\x12R\n\tHandshake\x12!.pdcluster.kv.v2.HandshakeRequest\x1a\".pdcluster.kv.v2.HandshakeResponse\x12@\n\x04Pull\x12\x1c.pdcluster.kv.v2.PullRequest\x1a\x18.pdcluster.kv.v2.KVChunk0\x01\x12L\n\x07Release\x12\x1f.pdcluster.kv.v2.ReleaseRequest\x1a .pdcluster.kv.v2.ReleaseResponse\x12\x46\n\x05Renew\x12\x1d.pdcluster.kv.v2.RenewRequest\x1a\x1e.pdcluster.kv.v2.RenewResponse\x12X\n\x0bShmRegister\x12#.pdcluster.kv.v2.ShmRegisterRequest\x1a$.pdcluster.kv.v2.ShmRegisterResponse\x12I\n\x07ShmPull\x12\x1f.pdcluster.kv.v2.ShmPullRequest\x1a\x19.pdcluster.kv.v2.ShmChunk(\x01\x30\x01\x12\x61\n\x0e\x43ollectiveOpen\x12&.pdcluster.kv.v2.CollectiveOpenRequest\x1a\'.pdcluster.kv.v2.CollectiveOpenResponse\x12_\n\x0e\x43ollectivePull\x12&.pdcluster.kv.v2.CollectivePullRequest\x1a#.pdcluster.kv.v2.CollectiveProgress0\x01\x12\x64\n\x0f\x43ollectiveStore\x12\'.pdcluster.kv.v2.CollectiveStoreRequest\x1a(.pdcluster.kv.v2.CollectiveStoreResponse\x12_\n\x0cMooncakeRead\x12$.pdcluster.kv.v2.MooncakeReadRequest\x1a%.pdcluster.kv.v2.MooncakeReadProgress(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,43 +46,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=476
   _globals['_HANDSHAKEREQUEST']._serialized_end=582
   _globals['_HANDSHAKERESPONSE']._serialized_start=585
-  _globals['_HANDSHAKERESPONSE']._serialized_end=781
-  _globals['_PULLREQUEST']._serialized_start=784
-  _globals['_PULLREQUEST']._serialized_end=938
-  _globals['_CHUNKHEADER']._serialized_start=940
-  _globals['_CHUNKHEADER']._serialized_end=1015
-  _globals['_KVCHUNK']._serialized_start=1017
-  _globals['_KVCHUNK']._serialized_end=1086
-  _globals['_RELEASEREQUEST']._serialized_start=1088
-  _globals['_RELEASEREQUEST']._serialized_end=1173
-  _globals['_RELEASERESPONSE']._serialized_start=1175
-  _globals['_RELEASERESPONSE']._serialized_end=1210
-  _globals['_RENEWREQUEST']._serialized_start=1212
-  _globals['_RENEWREQUEST']._serialized_end=1275
-  _globals['_RENEWRESPONSE']._serialized_start=1277
-  _globals['_RENEWRESPONSE']._serialized_end=1309
-  _globals['_SHMPULLREQUEST']._serialized_start=1312
-  _globals['_SHMPULLREQUEST']._serialized_end=1466
-  _globals['_REGION']._serialized_start=1468
-  _globals['_REGION']._serialized_end=1528
-  _globals['_SHMREGISTERREQUEST']._serialized_start=1530
-  _globals['_SHMREGISTERREQUEST']._serialized_end=1620
-  _globals['_SHMREGISTERRESPONSE']._serialized_start=1622
-  _globals['_SHMREGISTERRESPONSE']._serialized_end=1665
-  _globals['_SHMCHUNK']._serialized_start=1668
-  _globals['_SHMCHUNK']._serialized_end=1882
-  _globals['_COLLECTIVEOPENREQUEST']._serialized_start=1884
-  _globals['_COLLECTIVEOPENREQUEST']._serialized_end=1973
-  _globals['_COLLECTIVEOPENRESPONSE']._serialized_start=1975
-  _globals['_COLLECTIVEOPENRESPONSE']._serialized_end=2056
-  _globals['_COLLECTIVEPULLREQUEST']._serialized_start=2058
-  _globals['_COLLECTIVEPULLREQUEST']._serialized_end=2157
-  _globals['_COLLECTIVEPROGRESS']._serialized_start=2159
-  _globals['_COLLECTIVEPROGRESS']._serialized_end=2254
-  _globals['_COLLECTIVESTOREREQUEST']._serialized_start=2256
-  _globals['_COLLECTIVESTOREREQUEST']._serialized_end=2359
-  _globals['_COLLECTIVESTORERESPONSE']._serialized_start=2361
-  _globals['_COLLECTIVESTORERESPONSE']._serialized_end=2401
-  _globals['_KVTRANSFER']._serialized_start=2404
-  _globals['_KVTRANSFER']._serialized_end=3356
+  _globals['_HANDSHAKERESPONSE']._serialized_end=841
+  _globals['_PULLREQUEST']._serialized_start=844
+  _globals['_PULLREQUEST']._serialized_end=998
+  _globals['_CHUNKHEADER']._serialized_start=1000
+  _globals['_CHUNKHEADER']._serialized_end=1075
+  _globals['_KVCHUNK']._serialized_start=1077
+  _globals['_KVCHUNK']._serialized_end=1146
+  _globals['_RELEASEREQUEST']._serialized_start=1148
+  _globals['_RELEASEREQUEST']._serialized_end=1233
+  _globals['_RELEASERESPONSE']._serialized_start=1235
+  _globals['_RELEASERESPONSE']._serialized_end=1270
+  _globals['_RENEWREQUEST']._serialized_start=1272
+  _globals['_RENEWREQUEST']._serialized_end=1335
+  _globals['_RENEWRESPONSE']._serialized_start=1337
+  _globals['_RENEWRESPONSE']._serialized_end=1369
+  _globals['_SHMPULLREQUEST']._serialized_start=1372
+  _globals['_SHMPULLREQUEST']._serialized_end=1526
+  _globals['_REGION']._serialized_start=1528
+  _globals['_REGION']._serialized_end=1588
+  _globals['_SHMREGISTERREQUEST']._serialized_start=1590
+  _globals['_SHMREGISTERREQUEST']._serialized_end=1680
+  _globals['_SHMREGISTERRESPONSE']._serialized_start=1682
+  _globals['_SHMREGISTERRESPONSE']._serialized_end=1725
+  _globals['_SHMCHUNK']._serialized_start=1728
+  _globals['_SHMCHUNK']._serialized_end=1942
+  _globals['_COLLECTIVEOPENREQUEST']._serialized_start=1944
+  _globals['_COLLECTIVEOPENREQUEST']._serialized_end=2033
+  _globals['_COLLECTIVEOPENRESPONSE']._serialized_start=2035
+  _globals['_COLLECTIVEOPENRESPONSE']._serialized_end=2116
+  _globals['_COLLECTIVEPULLREQUEST']._serialized_start=2118
+  _globals['_COLLECTIVEPULLREQUEST']._serialized_end=2217
+  _globals['_COLLECTIVEPROGRESS']._serialized_start=2219
+  _globals['_COLLECTIVEPROGRESS']._serialized_end=2314
+  _globals['_COLLECTIVESTOREREQUEST']._serialized_start=2316
+  _globals['_COLLECTIVESTOREREQUEST']._serialized_end=2419
+  _globals['_COLLECTIVESTORERESPONSE']._serialized_start=2421
+  _globals['_COLLECTIVESTORERESPONSE']._serialized_end=2461
+  _globals['_MOONCAKEREADREQUEST']._serialized_start=2463
+  _globals['_MOONCAKEREADREQUEST']._serialized_end=2577
+  _globals['_MOONCAKEREADPROGRESS']._serialized_start=2579
+  _globals['_MOONCAKEREADPROGRESS']._serialized_end=2630
+  _globals['_KVTRANSFER']._serialized_start=2633
+  _globals['_KVTRANSFER']._serialized_end=3682
 # @@protoc_insertion_point(module_scope)

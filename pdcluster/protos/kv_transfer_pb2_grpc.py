@@ -89,6 +89,11 @@ class KVTransferStub:
                 request_serializer=kv__transfer__pb2.CollectiveStoreRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.CollectiveStoreResponse.FromString,
                 _registered_method=True)
+        self.MooncakeRead = channel.stream_stream(
+                '/pdcluster.kv.v2.KVTransfer/MooncakeRead',
+                request_serializer=kv__transfer__pb2.MooncakeReadRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.MooncakeReadProgress.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -160,6 +165,12 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MooncakeRead(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.CollectiveStore,
                     request_deserializer=kv__transfer__pb2.CollectiveStoreRequest.FromString,
                     response_serializer=kv__transfer__pb2.CollectiveStoreResponse.SerializeToString,
+            ),
+            'MooncakeRead': grpc.stream_stream_rpc_method_handler(
+                    servicer.MooncakeRead,
+                    request_deserializer=kv__transfer__pb2.MooncakeReadRequest.FromString,
+                    response_serializer=kv__transfer__pb2.MooncakeReadProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class KVTransfer:
             '/pdcluster.kv.v2.KVTransfer/CollectiveStore',
             kv__transfer__pb2.CollectiveStoreRequest.SerializeToString,
             kv__transfer__pb2.CollectiveStoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MooncakeRead(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdcluster.kv.v2.KVTransfer/MooncakeRead',
+            kv__transfer__pb2.MooncakeReadRequest.SerializeToString,
+            kv__transfer__pb2.MooncakeReadProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,7 +30,10 @@ def settings(**overrides) -> KVTransferSettings:
     return KVTransferSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_seconds=20, **overrides)
 
 
-def producer_main(conn, overrides: dict) -> None:
+PLAIN = ("grpc", "shm", "collective")  # what a producer bound to loopback offers on auto
+
+
+def producer_main(conn, overrides: dict, backends: tuple[str, ...] = PLAIN) -> None:
     cache = make_cache(seed=7)
     served = settings(**overrides)
     producer = KVProducer(
@@ -38,8 +41,8 @@ def producer_main(conn, overrides: dict) -> None:
     )
     for request_id, ids in REQUESTS.items():
         producer.leases.add(request_id, ids, time.monotonic() + 600)
-    server = serve_backends(["grpc", "shm", "collective"], served, producer, "127.0.0.1", 0)
-    (shm,) = [e for e in server._extensions if isinstance(e, ShmExtension)]
+    server = serve_backends(list(backends), served, producer, "127.0.0.1", 0)
+    shm = next((e for e in server._extensions if isinstance(e, ShmExtension)), None)
     conn.send(server.address)
     while (command := conn.recv()) != "stop":
         if command == "segments":
@@ -53,13 +56,15 @@ def producer_main(conn, overrides: dict) -> None:
 
 
 @contextlib.contextmanager
-def running_producer(**overrides) -> Iterator[tuple[str, object]]:
+def running_producer(backends: tuple[str, ...] = PLAIN, **overrides) -> Iterator[tuple[str, object]]:
     """(the producer's address, a pipe to ask it "segments", "released" or "pushes"); `overrides`:
-    its KV settings (fault injection)."""
+    its KV settings (fault injection); `backends`: what its server offers."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, overrides))
+    proc = ctx.Process(target=producer_main, args=(child, overrides, backends))
     proc.start()
+    while not parent.poll(0.1):  # its address, once it serves; a producer that died says nothing
+        assert proc.is_alive(), f"the producer process exited with {proc.exitcode} before serving"
     try:
         yield parent.recv(), parent
     finally:

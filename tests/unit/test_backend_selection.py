@@ -11,9 +11,10 @@ from pdcluster.kv_transfer.stats import PDTransferStats
 from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
 
 ALL = ("grpc", "shm", "collective")
+WITH_MOONCAKE = (*ALL, "mooncake")
 
 
-def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL, encrypted=False):
+def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL, encrypted=False, local_offers=ALL):
     return choose_backend(
         configured,
         local_node="node-a",
@@ -23,6 +24,7 @@ def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL, encr
         remote_offers=offers,
         remote_engine="p0",
         encrypted=encrypted,
+        local_offers=local_offers,
     )
 
 
@@ -40,6 +42,21 @@ def choose(configured, *, same_node, local="cpu", remote="cpu", offers=ALL, encr
 )
 def test_auto_picks_by_node_and_device(same_node, local, remote, offers, expected):
     assert choose("auto", same_node=same_node, local=local, remote=remote, offers=offers) == expected
+
+
+@pytest.mark.parametrize(
+    ("same_node", "offers", "local_offers", "encrypted", "expected"),
+    [
+        (False, WITH_MOONCAKE, WITH_MOONCAKE, False, "mooncake"),  # across nodes, both have it
+        (True, WITH_MOONCAKE, WITH_MOONCAKE, False, "shm"),  # one node: shm is faster
+        (False, ALL, WITH_MOONCAKE, False, "grpc"),  # the producer lacks it
+        (False, WITH_MOONCAKE, ALL, False, "grpc"),  # this consumer lacks it
+        (False, WITH_MOONCAKE, WITH_MOONCAKE, True, "grpc"),  # TLS: Mooncake carries KV in clear
+    ],
+)
+def test_auto_picks_mooncake_across_nodes_when_both_have_it(same_node, offers, local_offers, encrypted, expected):
+    chosen = choose("auto", same_node=same_node, offers=offers, local_offers=local_offers, encrypted=encrypted)
+    assert chosen == expected
 
 
 @pytest.mark.parametrize("device", ["cuda", "npu"])
@@ -70,7 +87,12 @@ def test_forced_collective_across_device_kinds_is_refused():
 
 
 def test_producer_offers():
-    assert offered_backends("auto", "cpu") == ["grpc", "shm", "collective"]
+    # Mooncake's transfer engine is installed (the lock file) and reads host caches; its ports
+    # listen on every interface, so a KV server bound to loopback does not offer it.
+    assert offered_backends("auto", "cpu", "0.0.0.0") == ["grpc", "shm", "collective", "mooncake"]
+    assert offered_backends("auto", "cpu", "127.0.0.1") == ["grpc", "shm", "collective"]
+    assert offered_backends("auto", "cuda", "0.0.0.0") == ["grpc", "shm", "collective"]
+    assert offered_backends("mooncake", "cpu", "127.0.0.1") == ["mooncake"]  # asked for
     assert offered_backends("shm", "cpu") == ["shm"]
     with pytest.raises(KVTransferError, match="choose one of"):
         offered_backends("pigeon", "cpu")
@@ -85,7 +107,7 @@ def test_node_id_is_stable_and_names_the_host():
 
 def test_config_backend_values():
     assert KVTransferSettings().backend == "auto"
-    for value in ("auto", "grpc", "shm", "collective"):
+    for value in ("auto", "grpc", "shm", "collective", "mooncake"):
         assert KVTransferSettings(backend=value).backend == value
     with pytest.raises(ValueError):
         KVTransferSettings(backend="rdma")

@@ -1,4 +1,5 @@
-"""The shm and collective transports between two real processes on 127.0.0.1.
+"""The shm and collective transports between two real processes on 127.0.0.1 (mooncake:
+test_mooncake.py).
 
 A spawned producer process serves a cache with leased requests over one control server that
 offers every backend; this process pulls through the real clients into its own cache. shm moves

@@ -184,7 +184,7 @@ def test_lease_is_never_freed_mid_transfer():
 
 
 def test_unknown_transport_name_lists_the_available_ones():
-    with pytest.raises(ValueError, match="available: collective, grpc, shm"):
+    with pytest.raises(ValueError, match="available: collective, grpc, mooncake, shm"):
         create_transport("carrier-pigeon", KVTransferSettings(secret="x"))
 
 

@@ -1,7 +1,8 @@
 """Transport backends, registered by name in one place and imported only when used.
 
 `grpc` is the portable path; `shm` moves bytes through shared memory on one host; `collective`
-through a torch.distributed point-to-point group per producer/consumer pair (gloo / NCCL / HCCL).
+through a torch.distributed point-to-point group per producer/consumer pair (gloo / NCCL / HCCL);
+`mooncake` with Mooncake's transfer engine (the consumer reads the producer's cache, TCP or RDMA).
 All of them use the gRPC service for control. `serve_backends` puts every backend a producer
 offers on its one control server; the consumer picks one per producer (selection.py).
 """
@@ -64,3 +65,4 @@ def serve_backends(
 register_transport("grpc", "pdcluster.kv_transfer.transports.grpc_transport:GrpcTransport")
 register_transport("shm", "pdcluster.kv_transfer.transports.shm:ShmTransport")
 register_transport("collective", "pdcluster.kv_transfer.transports.collective:CollectiveTransport")
+register_transport("mooncake", "pdcluster.kv_transfer.transports.mooncake:MooncakeTransport")

@@ -232,6 +232,7 @@ class GrpcClient(TransportClient):
         self._digest: int | None = None
         self._remote_layout: KVLayout | None = None
         self.shm_socket = ""  # the producer's, from the handshake (shm's direct variant)
+        self.handshake_reply: pb.HandshakeResponse | None = None
 
     def handshake(self, local_layout: KVLayout, engine_id: str) -> ProducerInfo:
         request = pb.HandshakeRequest(
@@ -259,6 +260,7 @@ class GrpcClient(TransportClient):
         self._digest = layout_digest(local_layout)
         self._remote_layout = remote
         self.shm_socket = reply.shm_socket
+        self.handshake_reply = reply  # what backends read of the producer (mooncake: its regions)
         return ProducerInfo(
             engine_id=reply.engine_id,
             layout=remote,

@@ -3,9 +3,10 @@
 The producer's KV server tells, in the handshake of each connection (protocol.ProducerInfo), its
 node identity, its KV cache's device kind and the backends it offers (`offered_backends`). The
 consumer's `kv_transfer.backend` then decides (`choose_backend`):
-  auto        shm on the same node; else collective when both caches are on the same kind of
-              accelerator (NCCL / HCCL) and the KV channels need no encryption (collective
-              backends carry KV in clear: with `kv_transfer.tls` auto keeps to grpc); else grpc
+  auto        shm on the same node; else mooncake when both engines have Mooncake's transfer
+              engine (host caches); else collective when both caches are on the same kind of
+              accelerator (NCCL / HCCL); else grpc. Mooncake and collective backends carry KV in
+              clear: with `kv_transfer.tls` (KV channels to be encrypted) auto keeps to grpc
   explicit    that backend, refused with both sides' values if the producer does not offer it
               (or, for shm, is on another node)
 """
@@ -18,7 +19,7 @@ from functools import lru_cache
 
 from pdcluster.errors import KVTransferError
 
-BACKEND_CHOICES = ("auto", "grpc", "shm", "collective")
+BACKEND_CHOICES = ("auto", "grpc", "shm", "collective", "mooncake")
 ACCELERATORS = ("cuda", "npu")  # device kinds with a collective backend worth picking on auto
 
 
@@ -38,13 +39,24 @@ def node_id() -> str:
     return f"{socket.gethostname()}/{boot}/{ipc}"
 
 
-def offered_backends(configured: str, device_kind: str) -> list[str]:
-    """What a producer configured with `configured` serves (control is always gRPC)."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def offered_backends(configured: str, device_kind: str, bind_host: str = "0.0.0.0") -> list[str]:
+    """What a producer configured with `configured` serves (control is always gRPC). On auto,
+    mooncake only where its engine runs and the KV server is reachable from other nodes:
+    Mooncake's transfer engine listens on every interface (it has no bind setting), so a KV
+    server bound to loopback (one node: shm serves it) opens no Mooncake port."""
     if configured not in BACKEND_CHOICES:
         raise KVTransferError(f"kv_transfer backend {configured!r}; choose one of {BACKEND_CHOICES}")
     if configured != "auto":
         return [configured]
-    return ["grpc", "shm", "collective"]
+    from pdcluster.kv_transfer.transports.mooncake import unavailable
+
+    offers = ["grpc", "shm", "collective"]
+    if bind_host not in LOOPBACK and unavailable(device_kind) is None:
+        offers.append("mooncake")
+    return offers
 
 
 def choose_backend(
@@ -57,13 +69,17 @@ def choose_backend(
     remote_offers: tuple[str, ...] | list[str],
     remote_engine: str = "prefill",
     encrypted: bool = False,
+    local_offers: tuple[str, ...] | list[str] = (),
 ) -> str:
     """The backend this consumer uses with that producer (raises naming both sides' values).
-    `encrypted`: the KV channels run TLS, so auto never picks a backend that moves KV in clear."""
+    `encrypted`: the KV channels run TLS, so auto never picks a backend that moves KV in clear;
+    `local_offers`: what this engine can run itself (offered_backends)."""
     same_node = bool(remote_node) and remote_node == local_node
     if configured == "auto":
         if same_node and "shm" in remote_offers:
             return "shm"
+        if not same_node and not encrypted and "mooncake" in remote_offers and "mooncake" in local_offers:
+            return "mooncake"
         same_accelerator = local_device in ACCELERATORS and remote_device == local_device
         if same_accelerator and not encrypted and "collective" in remote_offers:
             return "collective"

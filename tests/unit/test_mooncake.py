@@ -1,0 +1,128 @@
+"""The mooncake backend's own rules, with Mooncake's real transfer engine over TCP on 127.0.0.1
+(byte-exact pulls between two processes are in test_fast_transports.py): one descriptor per run
+of blocks, a producer without Mooncake named with both sides, a stalled producer and a failing
+read are failed loads, and the producer holds the lease for the whole read."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.staging import BlockScatterer
+from pdcluster.kv_transfer.transports import create_transport, serve_backends
+from pdcluster.kv_transfer.transports.base import CacheSink
+from pdcluster.kv_transfer.transports.mooncake import descriptors, unavailable
+from tests.unit.kv_fixtures import make_cache
+from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
+
+pytestmark = pytest.mark.skipif(unavailable("cpu") is not None, reason=str(unavailable("cpu")))
+BACKENDS = ("grpc", "mooncake")
+
+
+@pytest.fixture(scope="module")
+def producer_process():
+    with running_producer(BACKENDS) as producer:
+        yield producer
+
+
+@pytest.mark.parametrize("request_id", ["req-a", "req-b"])
+def test_pull_copies_blocks_exactly(producer_process, request_id):
+    address, _ = producer_process
+    dst_ids = [50 - i for i in range(len(REQUESTS[request_id]))]
+    consumer, nbytes = pull("mooncake", address, request_id, dst_ids, direct=True)
+    assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
+    assert_copied(consumer, request_id, dst_ids)
+
+
+def test_unknown_request_is_not_found(producer_process):
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    client = create_transport("mooncake", settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        with pytest.raises(LeaseNotFoundError):
+            client.pull("nope", [1], sink_for(consumer, [1]), engine_id="decode-0", timeout_s=20)
+    finally:
+        client.close()
+
+
+def test_one_descriptor_per_run_of_blocks_consecutive_on_both_sides():
+    # Producer blocks 3, 4, 5 into consumer 10, 11, 12 (one run); 9 into 13 (a break on the
+    # producer's side); 10 into 20 (a break on ours). Two layers of 100 and 50 bytes per block.
+    local, remote, lengths = descriptors([1000, 9000], [5000, 7000], [100, 50], [3, 4, 5, 9, 10], [10, 11, 12, 13, 20])
+    assert local == [2000, 2300, 3000, 9500, 9650, 10000]
+    assert remote == [5300, 5900, 6000, 7150, 7450, 7500]
+    assert lengths == [300, 100, 100, 150, 50, 50]
+    assert descriptors([1], [2], [3], [], []) == ([], [], [])
+    with pytest.raises(KVTransferError, match="2 producer blocks for 1 consumer blocks"):
+        descriptors([1], [2], [3], [1, 2], [1])
+
+
+def sink_for(consumer, dst_ids, after_chunk=None) -> CacheSink:
+    scatterer = BlockScatterer(consumer, CHUNK)
+    scatterer.begin(dst_ids)
+    return CacheSink(scatterer, after_chunk)
+
+
+def test_a_producer_without_mooncake_is_named_with_both_sides():
+    producer = KVProducer(make_cache(), "prefill-plain", max_chunk_bytes=CHUNK)
+    producer.leases.add("r", [1, 2], time.monotonic() + 60)
+    server = serve_backends(["grpc"], settings(), producer, "127.0.0.1", 0)
+    consumer = make_cache(fill="zeros")
+    client = create_transport("mooncake", settings()).connect(server.address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        with pytest.raises(HandshakeError, match="prefill-plain describes 0 Mooncake layer regions .* needs 3"):
+            client.pull("r", [1, 2], sink_for(consumer, [5, 6]), engine_id="decode-0", timeout_s=10)
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_a_stalled_producer_is_a_timed_out_pull_and_the_next_pull_works():
+    faults = {"serve_delay_s": 3.0, "serve_delay_rate": 0.5, "seed": 1}
+    with running_producer(BACKENDS, fault_injection=faults) as (address, _):
+        consumer = make_cache(fill="zeros")
+        client = create_transport("mooncake", settings()).connect(address)
+        try:
+            client.handshake(consumer.layout, "decode-0")
+            outcomes = []
+            for request_id, dst in (
+                ("req-a", [50, 49, 48, 47, 46]),
+                ("req-c", [30, 31]),
+                ("req-b", list(range(40, 60))),
+            ):
+                try:
+                    client.pull(request_id, REQUESTS[request_id], sink_for(consumer, dst), engine_id="d", timeout_s=1)
+                    assert_copied(consumer, request_id, dst)
+                    outcomes.append("ok")
+                except KVTransferError as exc:
+                    assert "deadline" in str(exc).lower() or "timed out" in str(exc).lower(), exc
+                    outcomes.append("timed out")
+        finally:
+            client.close()
+    assert sorted(set(outcomes)) == ["ok", "timed out"], outcomes  # seed 1: both happen
+
+
+def test_a_failing_read_fails_the_pull_and_the_producer_lets_go_of_the_lease():
+    def fail(chunk):
+        raise KVTransferError("injected: the sink refused a chunk")
+
+    with running_producer(BACKENDS) as (address, conn):
+        consumer = make_cache(fill="zeros")
+        client = create_transport("mooncake", settings()).connect(address)
+        try:
+            client.handshake(consumer.layout, "decode-0")
+            with pytest.raises(KVTransferError, match="injected"):
+                client.pull("req-c", REQUESTS["req-c"], sink_for(consumer, [7, 8], fail), engine_id="d", timeout_s=10)
+            # The lease is not held by a pull any more: it can be read again, and released.
+            client.pull("req-c", REQUESTS["req-c"], sink_for(consumer, [7, 8]), engine_id="d", timeout_s=10)
+            assert_copied(consumer, "req-c", [7, 8])
+            assert client.release("req-c", transferred=True, engine_id="d", timeout_s=5)
+        finally:
+            client.close()
+        conn.send("released")
+        assert conn.recv() == ["req-c"]
