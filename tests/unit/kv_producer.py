@@ -33,7 +33,7 @@ def settings(**overrides) -> KVTransferSettings:
 PLAIN = ("grpc", "shm", "collective")  # what a producer bound to loopback offers on auto
 
 
-def producer_main(conn, overrides: dict, backends: tuple[str, ...] = PLAIN) -> None:
+def producer_main(conn, overrides: dict, backends: tuple[str, ...] = PLAIN, port: int = 0) -> None:
     cache = make_cache(seed=7)
     served = settings(**overrides)
     producer = KVProducer(
@@ -41,7 +41,7 @@ def producer_main(conn, overrides: dict, backends: tuple[str, ...] = PLAIN) -> N
     )
     for request_id, ids in REQUESTS.items():
         producer.leases.add(request_id, ids, time.monotonic() + 600)
-    server = serve_backends(list(backends), served, producer, "127.0.0.1", 0)
+    server = serve_backends(list(backends), served, producer, "127.0.0.1", port)
     shm = next((e for e in server._extensions if isinstance(e, ShmExtension)), None)
     conn.send(server.address)
     while (command := conn.recv()) != "stop":
@@ -56,12 +56,13 @@ def producer_main(conn, overrides: dict, backends: tuple[str, ...] = PLAIN) -> N
 
 
 @contextlib.contextmanager
-def running_producer(backends: tuple[str, ...] = PLAIN, **overrides) -> Iterator[tuple[str, object]]:
+def running_producer(backends: tuple[str, ...] = PLAIN, port: int = 0, **overrides) -> Iterator[tuple[str, object]]:
     """(the producer's address, a pipe to ask it "segments", "released" or "pushes"); `overrides`:
-    its KV settings (fault injection); `backends`: what its server offers."""
+    its KV settings (fault injection); `backends`: what its server offers; `port`: its port (0:
+    any free one)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, overrides, backends))
+    proc = ctx.Process(target=producer_main, args=(child, overrides, backends, port))
     proc.start()
     while not parent.poll(0.1):  # its address, once it serves; a producer that died says nothing
         assert proc.is_alive(), f"the producer process exited with {proc.exitcode} before serving"

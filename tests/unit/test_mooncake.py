@@ -126,3 +126,22 @@ def test_a_failing_read_fails_the_pull_and_the_producer_lets_go_of_the_lease():
             client.close()
         conn.send("released")
         assert conn.recv() == ["req-c"]
+
+
+def test_a_restarted_producer_is_asked_for_its_new_regions():
+    """Same endpoint, new process: its session, transfer engine and cache addresses are new; the
+    client's next pull opens a new session, asks for them again, and reads exactly."""
+    with running_producer(BACKENDS) as (address, _):
+        port = int(address.rsplit(":", 1)[1])
+    consumer = make_cache(fill="zeros")
+    client = create_transport("mooncake", settings()).connect(f"127.0.0.1:{port}")
+    try:
+        for generation in range(2):
+            with running_producer(BACKENDS, port=port):
+                if generation == 0:
+                    client.handshake(consumer.layout, "decode-0")
+                dst = [20 + 5 * generation, 21 + 5 * generation]
+                client.pull("req-c", REQUESTS["req-c"], sink_for(consumer, dst), engine_id="d", timeout_s=10)
+                assert_copied(consumer, "req-c", dst)
+    finally:
+        client.close()

@@ -288,6 +288,7 @@ class MooncakeClient(GrpcClient):
         regions = sink.host_regions()
         if regions is None:
             raise KVTransferError("the mooncake backend reads into host caches; this consumer's cache is not one")
+        self.control.session()  # a new session (the producer restarted) marks its regions stale
         session, remote_bases = self._producer_regions()
         host = session.rpartition(":")[0]
         engine = engine_for("consumer", local_address_towards(host), self.settings)
