@@ -1,7 +1,7 @@
 """pdcluster on a Ray cluster of several hosts (test hosts: network namespaces with their own
 hostname, IPC, /dev/shm and PID namespace, tests/support/hosts.py): the Ray head with the router
 and controller on host 1, prefill on host 2, decode on host 3, placed by node labels, KV crossing
-the (virtual) network. Then the network between prefill and decode turns bad (loss, a partition,
+the (virtual) network through Mooncake's transfer engine. Then the network between prefill and decode turns bad (loss, a partition,
 delay), decode scales onto a fourth host, and host 3's Ray node is lost.
 
 One cluster for the module (the tests run in order and build on each other), float32 so that
@@ -34,7 +34,8 @@ NAME = "tiny"
 PROMPTS = [token_prompt(150 + 30 * i, offset=257 * i) for i in range(22)]
 IDENTITY, LOSSY, PARTITIONED, HEALED, SCALED = (slice(0, 4), slice(4, 10), slice(10, 14), slice(14, 16), slice(16, 22))
 MAX_TOKENS = 16
-KV_PORTS = (47000, 47999)
+# Every TCP port between the two hosts: the KV servers' (47000-47999) and Mooncake's own.
+KV_PORTS = (1024, 65535)
 LEASE_S = 6.0
 
 
@@ -110,10 +111,11 @@ def test_roles_run_where_placed_and_kv_crosses_hosts_identically(cluster, hosts,
     status = cluster.status()
     (prefill,), (decode,) = rows(status, "prefill"), rows(status, "decode")
     assert prefill["node"] == prefill_host.address and decode["node"] == decode_host.address
-    # Different hosts: the cross-host backend moved the KV (no shm or direct copy between them).
-    assert decode["kv_backends"] == {f"e2e-hosts-{prefill['replica']}": "grpc"}, decode["kv_backends"]
+    # Different hosts: the cross-host backend moved the KV (no shm or direct copy between
+    # them): Mooncake's transfer engine, which both engines have.
+    assert decode["kv_backends"] == {f"e2e-hosts-{prefill['replica']}": "mooncake"}, decode["kv_backends"]
     text = cluster.cli("status", "--name", cluster.name).stdout
-    assert decode_host.address in text and "grpc" in text
+    assert decode_host.address in text and "mooncake" in text
 
 
 def test_a_role_or_router_no_node_can_host_fails_up_naming_it(tmp_path, hosts):
