@@ -1,11 +1,11 @@
 """P -> D handoff through PDConnector with real vLLM engines in separate processes.
 
 Engines (float32: strict identity, tokens and logprobs; tests/support/identity.py; bf16 is
-covered with a near-tie tolerance in test_bf16_identity.py): one aggregated reference, one prefill (producer, backend auto: it offers grpc, shm and
+covered with a near-tie tolerance in test_bf16_identity.py): one aggregated reference, one prefill (producer, backend auto: it offers grpc, shm, mooncake and
 collective), and decode (consumer) engines: a healthy one forced to grpc (the full matrix runs
 there), one whose every pull fails (injected; recompute policy), one whose KV layout does not
 match (block size 64 vs 128; fail policy), and one each for the faster backends: auto (which
-picks shm on this one node) and collective (gloo). The test drives them over HTTP exactly as the
+picks shm on this one node), collective (gloo) and mooncake (Mooncake's transfer engine over TCP). The test drives them over HTTP exactly as the
 router does: prefill with max_tokens=1 and do_remote_decode, then decode with the returned params.
 """
 
@@ -56,11 +56,19 @@ def engines(tmp_path_factory):
     secret.write_text("handoff-test-secret\n")
     specs = [
         spec("agg", "aggregated", "0", secret),
-        spec("prefill", "prefill", "0", secret, kv={"lease_seconds": LEASE_S, "backend": "auto"}),
+        # Bound beyond loopback, so auto also offers mooncake (Mooncake listens on every interface).
+        spec(
+            "prefill",
+            "prefill",
+            "0",
+            secret,
+            kv={"lease_seconds": LEASE_S, "backend": "auto", "bind_host": "0.0.0.0", "advertise_host": "127.0.0.1"},
+        ),
         spec("decode", "decode", "1", secret),
         # vLLM's own CPU layout (a worker process holds the model); the others run single-process
         spec("decode-shm", "decode", "1", secret, kv={"backend": "auto"}, single_process=False),
         spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
+        spec("decode-mooncake", "decode", "1", secret, kv={"backend": "mooncake"}),
         spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
         spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
         # one request at a time: a second one queues (lease renewal)
@@ -343,10 +351,10 @@ def test_forged_params_dial_nothing_and_are_recomputed_or_refused(engines):
 
 
 # The faster backends: the same identity checks on a few lengths (grpc covers the full matrix).
-FAST = {"decode": "grpc", "decode-shm": "shm", "decode-collective": "collective"}
+FAST = {"decode": "grpc", "decode-shm": "shm", "decode-collective": "collective", "decode-mooncake": "mooncake"}
 
 
-@pytest.mark.parametrize("decode", ["decode-shm", "decode-collective"])
+@pytest.mark.parametrize("decode", ["decode-shm", "decode-collective", "decode-mooncake"])
 @pytest.mark.parametrize("length", [1, BLOCK + 1, 5 * BLOCK + 64])
 def test_fast_backend_greedy_output_matches_aggregated(engines, decode, length):
     prompt = token_prompt(length, offset=length * 13 + 5)
@@ -355,7 +363,7 @@ def test_fast_backend_greedy_output_matches_aggregated(engines, decode, length):
     assert_same(expected, response)
 
 
-@pytest.mark.parametrize("decode", ["decode-shm", "decode-collective"])
+@pytest.mark.parametrize("decode", ["decode-shm", "decode-collective", "decode-mooncake"])
 def test_fast_backend_concurrent_batch_matches_aggregated(engines, decode):
     prompts = [token_prompt(90 + 71 * i, offset=2000 + 97 * i) for i in range(8)]
     expected = [greedy(complete(engines["agg"], p, 10)) for p in prompts]
