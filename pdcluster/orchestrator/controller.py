@@ -443,6 +443,7 @@ class Controller:
         backend = self.config.kv_transfer.backend
         rows = [replica_row(r, latency, inflight, backend) for pool in self.pools.values() for r in pool]
         router_rss = await self.router.rss_bytes.remote() if self.router is not None else None
+        routes = await self.router.route_decisions.remote() if self.router is not None else {}
         return {
             "name": self.config.name,
             "endpoint": self.endpoint,
@@ -453,6 +454,7 @@ class Controller:
             "uptime_s": time.time() - self.started_at,
             "replicas": rows,
             "unplaced": dict(self.unplaced),
+            "routes": routes,
             "retired": [{"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired],
         }
 

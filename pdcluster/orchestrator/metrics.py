@@ -180,6 +180,13 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.routes = Counter(
+            "pdcluster_route_decisions",
+            "Disaggregated requests by path: prefill then decode (pd), or decode alone (decode: several "
+            "choices, or no prefill replica ready)",
+            ["path"],
+            registry=r,
+        )
         router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
         router_rss.set_function(process_tree_rss)  # as `status` reports it
         r.register(_EngineCollector(engine_rows))

@@ -338,6 +338,22 @@ def test_scale_decode_up_and_down_under_load(cluster, client):
     assert [state for _, state in retired[0]["transitions"]] == ["starting", "ready", "draining", "dead"]
 
 
+def test_with_prefill_scaled_to_zero_decode_serves_requests_alone(cluster, client, reference):
+    """No prefill replica: every request is computed by decode alone (not 503), greedy output
+    unchanged, counted as the decode path; /health stays ok."""
+    before = cluster.status()["routes"].get("decode", 0)
+    cli(cluster.home, "scale", "prefill", "0", "--wait", "--name", cluster.name)
+    assert not [r for r in cluster.status()["replicas"] if r["role"] == "prefill"]
+    assert httpx.get(cluster.endpoint + "/health", timeout=10).status_code == 200
+    for prompt, expected in zip(PROMPTS[:3], reference["completions"]):
+        answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert answer.choices[0].text == expected
+    assert _stream_one(client, 0)
+    status = cluster.status()
+    assert status["routes"]["decode"] >= before + 4
+    assert "routes: decode" in cli(cluster.home, "status", "--name", cluster.name).stdout
+
+
 def test_down_leaves_no_processes(cluster):
     cli(cluster.home, "down", "--name", cluster.name, timeout=300)
     deadline = time.monotonic() + 30

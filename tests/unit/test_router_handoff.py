@@ -456,3 +456,33 @@ def test_a_stream_past_the_requests_deadline_ends_with_a_timeout_event(serve):
     events = data(lines)
     assert events[-1]["error"]["code"] == 504 and "request_timeout_seconds" in events[-1]["error"]["message"]
     assert 0 < len(events) - 1 < 40
+
+
+# -- no prefill replica ready -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_no_prefill_ready_decode_serves_the_whole_request(serve, stream):
+    """Prefill scaled to 0 (or all dead): decode computes the prompt itself instead of every
+    request getting 503; counted as the decode path, and /health stays ok."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+
+    async def whole(call, out):
+        if call.body.get("stream"):
+            chunk = {"id": "cmpl-d", "object": "text_completion", "created": 2, "model": "tiny"}
+            events = [json.dumps({**chunk, "choices": [{"index": 0, "text": t, "finish_reason": None}]}) for t in "ab"]
+            await out.sse([f"data: {e}" for e in events] + ["data: [DONE]"])
+        else:
+            await out.json({"id": "cmpl-d", "choices": [{"index": 0, "text": "ab"}]})
+
+    decode = StandIn(whole)
+    draining = row("prefill-0", "prefill", state=ReplicaState.DRAINING)
+    response, lines = serve(router, {"decode-0": decode}, {**COMPLETION, "stream": stream}, [draining])
+    assert response.status_code == 200, response.text
+    text = "".join(c["choices"][0]["text"] for c in data(lines)) if stream else response.json()["choices"][0]["text"]
+    assert text == "ab"
+    [sent] = decode.posts()
+    assert "kv_transfer_params" not in sent.body  # nothing to pull: decode computed the prompt
+    assert metric(router, 'pdcluster_route_decisions_total{path="decode"}') == 1
+    assert metric(router, 'pdcluster_route_decisions_total{path="pd"}') == 0
+    assert router.is_ready() and router.route_decisions() == {"decode": 1}

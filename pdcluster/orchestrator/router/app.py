@@ -73,9 +73,17 @@ class Router:
         return self.pool.ready_roles()
 
     def is_ready(self) -> bool:
-        ready = self.ready_roles()
-        roles = ("prefill", "decode") if self.settings.disaggregated else ("aggregated",)
-        return all(ready.get(role, 0) > 0 for role in roles)
+        """Whether requests can be served: decode serves them alone while no prefill is ready."""
+        return self.ready_roles().get("decode" if self.settings.disaggregated else "aggregated", 0) > 0
+
+    def route_decisions(self) -> dict[str, int]:
+        """Disaggregated requests so far by path (`pd`, `decode`), as /metrics counts them."""
+        counts = {}
+        for metric in self.metrics.routes.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["path"]] = int(sample.value)
+        return counts
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -266,6 +274,9 @@ class RouterActor:
 
     def latency(self) -> dict[str, Any]:
         return self.router.latency()
+
+    def route_decisions(self) -> dict[str, int]:
+        return self.router.route_decisions()
 
     def rss_bytes(self) -> int:
         from pdcluster.engine.actor import process_tree_rss

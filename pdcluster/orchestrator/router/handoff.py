@@ -179,11 +179,25 @@ class PhaseRunner:
             and self.settings.first_token_from_prefill
             and continuation.continuable(body, kind, self.settings.generation_defaults)
         )
-        local = self.settings.disaggregated and (body.get("n") or 1) > 1
+        # Decode computes the prompt itself for several choices (one lease serves one pull), and
+        # when no prefill replica is ready (scaled to 0, or all dead): served, not refused.
+        local = self.settings.disaggregated and ((body.get("n") or 1) > 1 or not self._prefill_ready())
+        if self.settings.disaggregated:
+            self.metrics.routes.labels("decode" if local else "pd").inc()
         deadline = started + self.settings.request_timeout_s
         return Handoff(
-            body, kind, started, self.pool, self.metrics, continuing=continuing, local=local, deadline=deadline
+            body,
+            kind,
+            started,
+            self.pool,
+            self.metrics,
+            continuing=continuing and not local,
+            local=local,
+            deadline=deadline,
         )
+
+    def _prefill_ready(self) -> bool:
+        return self.pool.ready_roles().get("prefill", 0) > 0
 
     async def serve(self, h: Handoff) -> Response:
         """The client's response. A streamed one owns the request's holds from here on (Relay);
@@ -204,7 +218,7 @@ class PhaseRunner:
                 if h.answering is None:
                     h.answering = h.choose(answering_role)
                 needs_prefill = self.settings.disaggregated and not h.local and h.params is None
-                if needs_prefill and (early := await self._prefill(h)) is not None:
+                if needs_prefill and (early := await self._prefill_or_alone(h)) is not None:
                     return early
                 if h.first is not None:
                     return self._continuation(h)
@@ -231,6 +245,18 @@ class PhaseRunner:
         self.metrics.retries.labels(replica.role).inc()
         if reached and replica.role == "decode":
             h.params = h.first = None  # the lease may be used up: prefill again for a fresh one
+
+    async def _prefill_or_alone(self, h: Handoff) -> Response | None:
+        """The prefill pass; when the last prefill replica left meanwhile, decode computes the
+        prompt itself instead (a request that failed on every prefill replica still ends)."""
+        try:
+            return await self._prefill(h)
+        except NoReplicaError:
+            if self._prefill_ready():
+                raise  # ready replicas that all failed this request: it ends with the 503
+            h.local, h.continuing = True, False
+            self.metrics.routes.labels("decode").inc()
+            return None
 
     async def _prefill(self, h: Handoff) -> Response | None:
         """One prefill pass: a fresh lease in `h.params` (and `h.first` when the decode replica
