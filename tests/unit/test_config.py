@@ -61,6 +61,10 @@ def test_shipped_configs_are_valid(name):
             "roles.decode.placement.resources: 'CPU: 2.0': custom resources only",
         ),
         ({**BASE, "router": {"placement": {"zone": "a"}}}, "router.placement.zone: unknown key"),
+        (
+            {**BASE, "kv_transfer": {"mooncake": {"protocol": "udp"}}},
+            "kv_transfer.mooncake.protocol: Input should be 'tcp' or 'rdma'",
+        ),
     ],
 )
 def test_errors_name_the_yaml_path(data, message):
