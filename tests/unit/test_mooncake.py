@@ -8,13 +8,14 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
-from pdcluster.kv_transfer.transports.mooncake import descriptors, unavailable
+from pdcluster.kv_transfer.transports.mooncake import MAX_BATCH, descriptors, unavailable
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
 
@@ -145,3 +146,25 @@ def test_a_restarted_producer_is_asked_for_its_new_regions():
                 assert_copied(consumer, "req-c", dst)
     finally:
         client.close()
+
+
+def test_a_pull_of_more_ranges_than_mooncake_queues_per_peer_is_read_in_batches():
+    """Every other block, 8 layers: 4096 ranges (Mooncake's TCP transport fails a batch of more
+    than 2048 to one peer as a whole), read exactly."""
+    source = make_cache(num_blocks=1100, layers=8, seed=3)
+    producer = KVProducer(source, "prefill-wide", max_chunk_bytes=CHUNK)
+    remote_ids = list(range(0, 1024, 2))
+    producer.leases.add("wide", remote_ids, time.monotonic() + 60)
+    server = serve_backends(["mooncake"], settings(), producer, "127.0.0.1", 0)
+    consumer = make_cache(num_blocks=1100, layers=8, fill="zeros")
+    local_ids = list(range(1, 1025, 2))
+    client = create_transport("mooncake", settings()).connect(server.address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        client.pull("wide", remote_ids, sink_for(consumer, local_ids), engine_id="decode-0", timeout_s=30)
+    finally:
+        client.close()
+        server.stop(0)
+    assert len(remote_ids) * len(source.tensors) > MAX_BATCH
+    for src, dst in zip(source.tensors, consumer.tensors):
+        assert torch.equal(dst[local_ids], src[remote_ids])

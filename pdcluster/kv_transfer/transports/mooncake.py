@@ -28,7 +28,9 @@ grpc), see the README's NVIDIA and Ascend sections.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.util
 import logging
 import math
 import os
@@ -61,31 +63,41 @@ from pdcluster.protos import kv_transfer_pb2 as pb
 logger = logging.getLogger(__name__)
 
 BATCH_PENDING = 1  # get_batch_transfer_status: 0 done, 1 still running, < 0 failed
+# Mooncake 0.3.13's TCP transport queues at most 2048 transfers per peer and fails a whole batch
+# beyond that (its MC_TCP_* queue settings do not raise it): a pull's ranges go in batches of
+# at most this many, one batch at a time per peer.
+MAX_BATCH = 2048
 POLL_S = (0.0002, 0.005)  # first and longest wait between two looks at a running batch
 
 
 @functools.lru_cache(maxsize=4)
 def unavailable(device_kind: str) -> str | None:
     """Why this process cannot run the mooncake backend for a cache on `device_kind` (None: it
-    can). Mooncake's wheel needs libibverbs/librdmacm even for TCP (tools/system_deps.sh)."""
+    can). Checked without importing Mooncake, which reads its settings when imported (the first
+    engine does that, _configure first). The wheel links libibverbs/librdmacm even for TCP
+    (tools/system_deps.sh installs them)."""
     if device_kind != "cpu":
         return f"the mooncake backend reads host caches; this cache is on {device_kind}"
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as exc:
-        return f"Mooncake's transfer engine cannot be imported ({exc})"
+    if importlib.util.find_spec("mooncake") is None:
+        return "Mooncake's transfer engine is not installed (mooncake-transfer-engine-non-cuda)"
+    for library in ("libibverbs.so.1", "librdmacm.so.1"):
+        try:
+            ctypes.CDLL(library)
+        except OSError as exc:
+            return f"Mooncake's transfer engine needs {library} ({exc}; apt-get install libibverbs1 librdmacm1)"
     return None
 
 
 def _configure(settings: KVTransferSettings) -> None:
-    """Mooncake reads its settings from the environment when an engine starts: its ports inside
-    the KV port range (one range to open between nodes), its transfers bounded by the pull
-    timeout, its log at warnings. An operator's own MC_* values win."""
-    lo, hi = settings.port_range
-    wanted = {"MC_TRANSFER_TIMEOUT": str(math.ceil(settings.pull_timeout_seconds)), "MC_LOG_LEVEL": "WARNING"}
-    wanted["GLOG_minloglevel"] = "1"
-    if (lo, hi) != (0, 0):
-        wanted.update(MC_MIN_RPC_PORT=str(lo), MC_MAX_RPC_PORT=str(hi))
+    """Mooncake reads its settings from the environment when `mooncake.engine` is imported: its
+    transfers bounded by the pull timeout (seconds), its log at warnings. An operator's own MC_*
+    values win. (Its ports stay its own: it refuses ranges inside the kernel's ephemeral one,
+    where the KV port range lies by default.)"""
+    wanted = {
+        "MC_TRANSFER_TIMEOUT": str(math.ceil(settings.pull_timeout_seconds)),
+        "MC_LOG_LEVEL": "WARNING",
+        "GLOG_minloglevel": "1",
+    }
     for name, value in wanted.items():
         os.environ.setdefault(name, value)
 
@@ -94,9 +106,11 @@ class MooncakeEngine:
     """One transfer engine of this process, the regions it registered, and batched reads."""
 
     def __init__(self, host: str, settings: KVTransferSettings):
-        from mooncake.engine import TransferEngine
-
         _configure(settings)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise KVTransferError(f"Mooncake's transfer engine cannot be imported: {exc}") from exc
         self.protocol = settings.mooncake.protocol
         self.engine = TransferEngine()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol, settings.mooncake.device_name)
@@ -105,6 +119,7 @@ class MooncakeEngine:
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
+        self._peers: dict[str, threading.Lock] = {}  # one batch in flight per peer (MAX_BATCH)
         logger.info("Mooncake transfer engine %s (%s)", self.session, self.protocol)
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
@@ -125,8 +140,19 @@ class MooncakeEngine:
     def read(
         self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
     ) -> None:
-        """Read each remote range of `session` into the local one at the same index; raises on
-        failure or past `deadline`, but only once the batch ended (or `grace_s` after it)."""
+        """Read each remote range of `session` into the local one at the same index, at most
+        MAX_BATCH ranges in flight to that peer (from any thread); raises on failure or past
+        `deadline`, but only once the batch in flight ended (or `grace_s` after it)."""
+        with self._lock:
+            peer = self._peers.setdefault(session, threading.Lock())
+        with peer:
+            for start in range(0, len(local), MAX_BATCH):
+                end = start + MAX_BATCH
+                self._read_batch(session, local[start:end], remote[start:end], lengths[start:end], deadline, grace_s)
+
+    def _read_batch(
+        self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
+    ) -> None:
         batch = self.engine.batch_transfer_async_read(session, local, remote, lengths)
         if not batch:
             raise KVTransferError(f"Mooncake could not start a read from {session}")
