@@ -5,16 +5,22 @@ layers, 4 KV heads, head dim 128, bf16, block size 16) and serves it through the
 server; this process pulls a request's blocks (scattered block ids on both sides) into its own
 cache through the real client and scatterer. In the same run it times `memcpy` (ctypes.memmove,
 one thread) of the same number of bytes, and an in-process gather+scatter (staging alone, no
-transport) to show where time goes. Results: bench/results/<date>-kv-transfer-<transport>.{json,md}.
-With --cross-host the producer and this side run on two test hosts (network namespaces, see
-bench/kv_transfer_hosts.py), next to a raw TCP stream between the same hosts.
+transport) to show where time goes. With --cross-host the producer and this side run on two test
+hosts (network namespaces, see bench/kv_transfer_hosts.py), next to a raw TCP stream between them.
 
 Transports: grpc; shm (direct cross-process copies where the OS allows, as the connector does);
 shm with --shm-ring (forces the shared-memory ring: gather into slots, scatter out, pipelined);
-collective (gloo point-to-point on CPU).
+collective (gloo point-to-point on CPU); mooncake (Mooncake's transfer engine, TCP: the consumer
+reads the producer's registered cache into its own). Several at once (`--transport grpc
+mooncake`): one producer serves them all, each round of repeats pulls once through each in
+turn, and the memcpy, staging and ceilings are timed once per token count for all of them.
+Results: bench/results/<date>-kv-transfer-<transports joined by '-'>[-cross-host].{json,md},
+a row per token count and transport, with its ratio to grpc's when grpc is in the run. The
+issues' targets are reported met or missed; they never fail the run.
 
 Usage: python bench/kv_transfer.py [--tokens 1024 8192 32768] [--repeats 5]
-       [--transport grpc|shm|collective] [--shm-ring] [--cross-host (root; grpc, collective)]
+       [--transport grpc|shm|collective|mooncake [...]] [--shm-ring]
+       [--cross-host (root; not shm)]
 """
 
 from __future__ import annotations
@@ -22,11 +28,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime as dt
 import json
 import multiprocessing as mp
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -39,40 +43,36 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.kv_transfer_results import result_name, write_results  # noqa: E402
+from pdcluster.errors import KVTransferError  # noqa: E402
 from pdcluster.kv_transfer.kv_cache import PagedKVCache, huge_pages  # noqa: E402
 from pdcluster.kv_transfer.producer import KVProducer  # noqa: E402
 from pdcluster.kv_transfer.settings import KVTransferSettings  # noqa: E402
 from pdcluster.kv_transfer.staging import BlockGatherer, BlockScatterer  # noqa: E402
-from pdcluster.kv_transfer.transports import create_transport  # noqa: E402
+from pdcluster.kv_transfer.transports import create_transport, serve_backends  # noqa: E402
 from pdcluster.kv_transfer.transports.base import CacheSink  # noqa: E402
 
 SECRET = "bench-secret"
-TARGETS = {"grpc": 0.25, "shm": 0.6}  # issue 3 and issue 8; collective has none on CPU
-HOW = {
-    "grpc": "grpc: gather on the producer, encode, stream, decode, scatter into scattered block ids.",
-    "shm": "shm (direct): the producer writes half the layers into the consumer's cache while the "
-    "consumer reads the other half from the producer's (process_vm_writev/readv), one copy per "
-    "byte; gRPC carries control only.",
-    "shm-ring": "shm ring: the producer gathers chunks into a ring of 4 slots in /dev/shm while the "
-    "consumer scatters earlier chunks out of it (2 copies per byte, pipelined on 2 processes).",
-    "collective": "collective: gloo send/recv on a pair group over 127.0.0.1 TCP, gather into and "
-    "scatter out of double buffers; gRPC carries control only.",
-}
-CEILINGS = {"grpc": "raw gRPC", "tcp": "raw TCP"}  # row key raw_<name>_GBps -> column label
+TRANSPORTS = ("grpc", "shm", "collective", "mooncake")
+ROUNDS = (
+    "median of repeats (each round pulls once through each transport in turn, each pull followed "
+    "by one memcpy; the memcpy median is over all of a token count's pulls)"
+)
 METHOD = (
-    "median of repeats (each pull followed by one memcpy); cache-to-cache pull between two processes on 127.0.0.1, both "
+    f"{ROUNDS}; cache-to-cache pull between two processes on 127.0.0.1, both "
     "caches on 2 MiB pages as the connector backs them; memcpy = ctypes.memmove of the same "
     "byte count between two buffers on 2 MiB pages, one thread, same run"
 )
 
 
 def make_cache(layers, kv_heads, head_dim, block_size, num_blocks, fill) -> PagedKVCache:
+    """fill: the same random bytes in every process (seeded per layer), else zeros."""
     shape = (num_blocks, kv_heads, block_size, 2 * head_dim)
     tensors = {}
     for i in range(layers):
         t = torch.empty(shape, dtype=torch.bfloat16)
         if fill:
-            t.view(torch.int16).random_(-(2**15), 2**15 - 1)
+            t.view(torch.int16).random_(-(2**15), 2**15 - 1, generator=torch.Generator().manual_seed(i))
         else:
             t.zero_()
         tensors[f"model.layers.{i}.self_attn.attn"] = t
@@ -81,15 +81,30 @@ def make_cache(layers, kv_heads, head_dim, block_size, num_blocks, fill) -> Page
     return cache
 
 
-def scattered_ids(num_blocks: int, n: int, seed: int) -> list[int]:
+def same_blocks(a: PagedKVCache, a_ids: list[int], b: PagedKVCache, b_ids: list[int]) -> bool:
+    a_index, b_index = torch.tensor(a_ids), torch.tensor(b_ids)
+    return all(
+        torch.equal(x.view(torch.int16)[a_index], y.view(torch.int16)[b_index]) for x, y in zip(a.tensors, b.tensors)
+    )
+
+
+def scattered_ids(num_blocks: int, n: int, seed: int, contiguous: bool = False) -> list[int]:
+    """`n` block ids: a random permutation's first `n` (a fragmented cache), or with
+    `contiguous` a run of `n` consecutive ids from a seeded start (a fresh one)."""
     gen = torch.Generator().manual_seed(seed)
+    if contiguous:
+        start = int(torch.randint(num_blocks - n + 1, (1,), generator=gen))
+        return list(range(start, start + n))
     return torch.randperm(num_blocks, generator=gen)[:n].tolist()
 
 
 def pull_plan(args) -> tuple[int, dict[str, list[int]]]:
-    """The caches' block count and each request's scattered source block ids (both sides agree)."""
+    """The caches' block count and each request's source block ids (both sides agree)."""
     num_blocks = -(-max(args.tokens) // args.block_size) + 64
-    requests = {f"req-{t}": scattered_ids(num_blocks, -(-t // args.block_size), seed=t) for t in args.tokens}
+    requests = {
+        f"req-{t}": scattered_ids(num_blocks, -(-t // args.block_size), seed=t, contiguous=args.contiguous)
+        for t in args.tokens
+    }
     return num_blocks, requests
 
 
@@ -102,15 +117,15 @@ def transport_settings(args) -> KVTransferSettings:
 
 @contextlib.contextmanager
 def serving(args, num_blocks: int, requests: dict[str, list[int]]):
-    """A prefill engine's cache with leased blocks, served by the transport on args.host (and the
-    raw gRPC ceiling next to it for grpc); yields (transport address, raw gRPC address or None)."""
+    """A prefill engine's cache with leased blocks, served by every listed transport on one control
+    server on args.host (and the raw gRPC ceiling next to it when grpc is listed); yields
+    (control server address, raw gRPC address or None)."""
     cache = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, True)
     producer = KVProducer(cache, "bench-prefill", max_chunk_bytes=args.chunk_bytes)
     for request_id, ids in requests.items():
         producer.leases.add(request_id, ids, time.monotonic() + 3600)
-    transport = create_transport(args.transport, transport_settings(args))
-    server = transport.serve(producer, args.host, 0)
-    raw = raw_grpc_server(args.chunk_bytes, f"{args.host}:0") if args.transport == "grpc" else None
+    server = serve_backends(args.transports, transport_settings(args), producer, args.host, 0)
+    raw = raw_grpc_server(args.chunk_bytes, f"{args.host}:0") if "grpc" in args.transports else None
     try:
         yield server.address, raw[1] if raw else None
     finally:
@@ -126,7 +141,7 @@ def answer_rusage(conn) -> None:
 
 
 def producer_main(conn, args, num_blocks, requests):
-    """Child process: a prefill engine's cache with leased blocks, served by the transport."""
+    """Child process: a prefill engine's cache with leased blocks, served by the transports."""
     torch.set_num_threads(1)
     with serving(args, num_blocks, requests) as addresses:
         conn.send(addresses)
@@ -225,19 +240,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--chunk-bytes", type=int, default=KVTransferSettings().max_chunk_bytes)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--transport", default="grpc", choices=["grpc", "shm", "collective"])
+    parser.add_argument(
+        "--transport", dest="transports", nargs="+", default=["grpc"], choices=TRANSPORTS, help="one or more"
+    )
     parser.add_argument("--shm-ring", action="store_true", help="shm: force the shared ring")
-    parser.add_argument("--target", type=float, default=None, help="ratio to memcpy to meet")
+    parser.add_argument(
+        "--contiguous", action="store_true", help="consecutive block ids on both sides (default: scattered)"
+    )
+    parser.add_argument("--target", type=float, default=None, help="ratio to memcpy to meet (every transport)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--cross-host", action="store_true", help="producer and consumer on two test hosts (root)")
     parser.add_argument("--role", choices=["producer", "consumer"], help=argparse.SUPPRESS)  # --cross-host's sides
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # the address a side binds
     args = parser.parse_args(argv)
-    if args.cross_host and (args.transport == "shm" or args.shm_ring):
-        parser.error("--cross-host: shm moves bytes within one host only; use grpc or collective")
-    if args.target is None and not args.cross_host:  # the targets are same-host ones
-        args.target = TARGETS.get(args.transport)
-    args.name = args.transport + ("-ring" if args.shm_ring else "")
+    args.transports = list(dict.fromkeys(args.transports))
+    if args.shm_ring and "shm" not in args.transports:
+        parser.error("--shm-ring forces shm's ring: list shm in --transport")
+    if args.cross_host and "shm" in args.transports:
+        parser.error("--cross-host: shm moves bytes within one host only; use grpc, collective or mooncake")
+    args.mode = "cross-host" if args.cross_host else "single-host"
+    args.name = "-".join(result_name(args, t) for t in args.transports) + ("-contiguous" if args.contiguous else "")
     args.secret = SECRET
     args.load_before = os.getloadavg()[0]
     torch.set_num_threads(1)
@@ -260,8 +282,95 @@ def main(argv: list[str] | None = None) -> int:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    write_results(args, rows)
+    write_results(args, rows, METHOD)
     return 0
+
+
+class Consumer:
+    """This side: its cache, a copy of the producer's (pulls are checked against it), and a
+    handshaken client per transport, all landing through one scatterer."""
+
+    def __init__(self, args, address: str, num_blocks: int, producer):
+        self.args, self.producer = args, producer  # producer: the pipe that answers "rusage"
+        self.local = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, False)
+        self.source = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, True)
+        self.scatterer = BlockScatterer(self.local, args.chunk_bytes)
+        self.clients, self.sinks = {}, {}
+        try:
+            for transport in args.transports:
+                name = result_name(args, transport)
+                self.clients[name] = create_transport(transport, transport_settings(args)).connect(address)
+                self.clients[name].handshake(self.local.layout, "bench-decode")
+                # A plain callable sink never offers the cache for direct copies: shm uses its ring.
+                self.sinks[name] = self.scatterer.write if name == "shm-ring" else CacheSink(self.scatterer)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+    def time_pulls(self, request_id: str, src_ids: list[int], dst_ids: list[int]) -> tuple[dict, dict, dict, float]:
+        """Rounds of one pull through each client in turn, a memcpy after each. Each client's
+        first pull warms its channel and pages, untimed, into zeroed blocks then checked against
+        the producer's. Returns each client's median seconds, its CPU cores busy (both processes'
+        CPU time per wall second of transfer: 2.0 = both cores busy), the errors of the clients
+        whose pull failed (not asked again for this request), and the memcpy median."""
+        tokens = len(src_ids) * self.args.block_size
+        nbytes = len(src_ids) * self.local.layout.bytes_per_block()
+        memcpy = Memcpy(nbytes)
+        times = {name: [] for name in self.clients}
+        cpu = dict.fromkeys(self.clients, 0.0)
+        memcpy_times, failed = [], {}
+        # Small pulls take milliseconds: repeat them more so each row's medians rest on ~as many
+        # bytes; a memcpy after every pull, so all see the same moments of this shared machine.
+        for i in range(self.args.repeats * max(1, 8192 // tokens) + 1):
+            for name, client in self.clients.items():
+                if name in failed:
+                    continue
+                if not i:
+                    for t in self.local.tensors:
+                        t.view(torch.int16).index_fill_(0, torch.tensor(dst_ids), 0)
+                cpu_start = self.cpu_seconds()
+                t0 = time.perf_counter()
+                self.scatterer.begin(dst_ids)
+                try:
+                    got = client.pull(request_id, src_ids, self.sinks[name], engine_id="bench", timeout_s=600)
+                except KVTransferError as exc:  # a failed pull is a result: in the row, and the run goes on
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+                    times.pop(name)
+                    continue
+                elapsed = time.perf_counter() - t0
+                cpu_s = self.cpu_seconds() - cpu_start
+                if got != nbytes:
+                    raise RuntimeError(f"{name}: pulled {got} bytes of {nbytes}")
+                copy_s = memcpy.time_once()
+                if i:
+                    times[name].append(elapsed)
+                    cpu[name] += cpu_s
+                    memcpy_times.append(copy_s)
+                elif not same_blocks(self.source, src_ids, self.local, dst_ids):
+                    raise RuntimeError(f"{name}: the pulled blocks of {request_id} differ from the producer's")
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        busy = {name: cpu[name] / sum(times[name]) for name in times}
+        return medians, busy, failed, statistics.median(memcpy_times or [memcpy.time_once()])
+
+    def cpu_seconds(self) -> float:
+        """This process's CPU seconds and the producer's."""
+        self.producer.send("rusage")
+        return cpu_seconds() + self.producer.recv()
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> int:
+    """Runs of blocks consecutive on both sides (mooncake reads one descriptor per run per layer)."""
+    pairs = zip(src_ids, src_ids[1:], dst_ids, dst_ids[1:])
+    return 1 + sum(1 for s0, s1, d0, d1 in pairs if s1 != s0 + 1 or d1 != d0 + 1)
+
+
+def over(a: float | None, b: float | None) -> float | None:
+    """a / b; None where either is missing (a ceiling not measured, a pull that failed)."""
+    return a / b if a and b else None
 
 
 def run_pulls(
@@ -273,143 +382,46 @@ def run_pulls(
     producer,
     ceilings: dict[str, Callable[[int], float]] | None = None,
 ) -> list[dict]:
-    """Time each request's pull, memcpy, staging alone and the ceilings (raw gRPC when raw_address
-    is set; `ceilings`: more, name -> seconds to move n bytes) of the same byte count."""
-    local = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, False)
-    source = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, num_blocks, True)
-    transport = create_transport(args.transport, transport_settings(args))
-    client = transport.connect(address)
-    client.handshake(local.layout, "bench-decode")
-    scatterer = BlockScatterer(local, args.chunk_bytes)
-    # A plain callable sink never offers the cache for direct copies, so shm uses its ring.
-    sink = scatterer.write if args.shm_ring else CacheSink(scatterer)
-
+    """Time each request's pull through each transport, memcpy, staging alone and the ceilings
+    (raw gRPC when raw_address is set; `ceilings`: more, name -> seconds to move n bytes) of the
+    same byte count. Returns a row per token count and transport."""
+    consumer = Consumer(args, address, num_blocks, producer)
     rows = []
-    for tokens in args.tokens:
-        request_id = f"req-{tokens}"
-        src_ids = requests[request_id]
-        dst_ids = scattered_ids(num_blocks, len(src_ids), seed=tokens + 1)
-        nbytes = len(src_ids) * local.layout.bytes_per_block()
-        memcpy = Memcpy(nbytes)
-        times, memcpy_times = [], []
-        cpu = 0.0
-        # Small pulls take milliseconds: repeat them more so each row's medians rest on ~as many
-        # bytes; a memcpy after every pull, so both see the same moments of this shared machine.
-        repeats = args.repeats * max(1, 8192 // tokens)
-        for i in range(repeats + 1):  # first pull warms the channel and the pages
-            producer.send("rusage")
-            cpu_start = cpu_seconds() + producer.recv()
-            t0 = time.perf_counter()
-            scatterer.begin(dst_ids)
-            got = client.pull(request_id, src_ids, sink, engine_id="bench", timeout_s=600)
-            times.append(time.perf_counter() - t0)
-            producer.send("rusage")
-            if i:
-                cpu += cpu_seconds() + producer.recv() - cpu_start
-            else:
-                producer.recv()
-            assert got == nbytes
-            memcpy_times.append(memcpy.time_once())
-        transfer_s = statistics.median(times[1:])
-        memcpy_s = statistics.median(memcpy_times[1:])
-        del memcpy
-        staging_s = time_staging(source, local, src_ids, dst_ids, args.chunk_bytes, args.repeats)
-        raw_s = time_raw_grpc(raw_address, nbytes, args.chunk_bytes, args.repeats) if raw_address else None
-        row = {
-            "tokens": tokens,
-            "bytes": nbytes,
-            "transfer_s": transfer_s,
-            "transfer_GBps": nbytes / transfer_s / 1e9,
-            "memcpy_GBps": nbytes / memcpy_s / 1e9,
-            "staging_only_GBps": nbytes / staging_s / 1e9,
-            "ratio_to_memcpy": memcpy_s / transfer_s,
-            "raw_grpc_GBps": nbytes / raw_s / 1e9 if raw_s else None,
-            "ratio_to_raw_grpc": raw_s / transfer_s if raw_s else None,
-            # both processes' CPU time per wall second of transfer (2.0 = both cores busy)
-            "cpu_cores_busy": cpu / sum(times[1:]),
-        }
-        for name, timer in (ceilings or {}).items():
-            ceiling_s = timer(nbytes)
-            row[f"raw_{name}_GBps"] = nbytes / ceiling_s / 1e9
-            row[f"ratio_to_raw_{name}"] = ceiling_s / transfer_s
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    client.close()
+    try:
+        for tokens in args.tokens:
+            src_ids = requests[f"req-{tokens}"]
+            dst_ids = scattered_ids(num_blocks, len(src_ids), seed=tokens + 1, contiguous=args.contiguous)
+            nbytes = len(src_ids) * consumer.local.layout.bytes_per_block()
+            times, cpu, failed, memcpy_s = consumer.time_pulls(f"req-{tokens}", src_ids, dst_ids)
+            staging_s = time_staging(consumer.source, consumer.local, src_ids, dst_ids, args.chunk_bytes, args.repeats)
+            ceiling_s = {
+                "grpc": time_raw_grpc(raw_address, nbytes, args.chunk_bytes, args.repeats) if raw_address else None
+            }
+            ceiling_s.update({name: timer(nbytes) for name, timer in (ceilings or {}).items()})
+            for name in consumer.clients:
+                transfer_s = times.get(name)
+                row = {
+                    "tokens": tokens,
+                    "bytes": nbytes,
+                    "transport": name,
+                    "block_runs": block_runs(src_ids, dst_ids),
+                    "error": failed.get(name),
+                    "transfer_s": transfer_s,
+                    "transfer_GBps": over(nbytes / 1e9, transfer_s),
+                    "memcpy_GBps": nbytes / memcpy_s / 1e9,
+                    "staging_only_GBps": nbytes / staging_s / 1e9,
+                    "ratio_to_memcpy": over(memcpy_s, transfer_s),
+                    "ratio_to_grpc": over(times.get("grpc"), transfer_s),
+                    "cpu_cores_busy": cpu.get(name),
+                }
+                for ceiling, seconds in ceiling_s.items():
+                    row[f"raw_{ceiling}_GBps"] = over(nbytes / 1e9, seconds)
+                    row[f"ratio_to_raw_{ceiling}"] = over(seconds, transfer_s)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        consumer.close()
     return rows
-
-
-def write_results(args, rows: list[dict], label=None, method=METHOD, how=None, notes=(), **extra) -> None:
-    """bench/results/<date>-kv-transfer-<label>.{json,md}. label, how: default the transport's
-    name and HOW line; `notes`: more lines under the table; `extra`: more top-level JSON keys."""
-    label = label or args.name
-    stamp = dt.date.today().isoformat()
-    args.out.mkdir(parents=True, exist_ok=True)
-    ceilings = [name for name in CEILINGS if f"raw_{name}_GBps" in rows[0]]
-    meta = {
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "transport": args.name,
-        **extra,
-        "layout": {
-            "layers": args.layers,
-            "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "block_size": args.block_size,
-            "dtype": "bfloat16",
-            "chunk_bytes": args.chunk_bytes,
-        },
-        "machine": {
-            "cpus": mp.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            # the machine is shared: 1-minute load average before and after the run
-            "loadavg_1m": [args.load_before, os.getloadavg()[0]],
-        },
-        "method": method,
-        "rows": rows,
-    }
-    name = f"{stamp}-kv-transfer-{label}"
-    (args.out / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
-    heads = "".join(f" {CEILINGS[c]} GB/s | transfer / {CEILINGS[c]} |" for c in ceilings)
-    lines = [
-        f"# KV transfer benchmark ({label}), {meta['date']}",
-        "",
-        f"Layout: {args.layers} layers, {args.kv_heads} KV heads, head dim {args.head_dim}, bf16, "
-        f"block size {args.block_size}; chunks of {args.chunk_bytes >> 20} MiB. {meta['method']}. "
-        f"Machine: {meta['machine']['cpus']} CPUs, shared; 1-min load average "
-        f"{meta['machine']['loadavg_1m'][0]:.1f} before, {meta['machine']['loadavg_1m'][1]:.1f} after.",
-        "",
-        f"| tokens | MiB | transfer GB/s | memcpy GB/s | transfer / memcpy |{heads} staging only GB/s | CPU cores busy |",
-        "|---:|---:|---:|---:|---:|" + "---:|---:|" * len(ceilings) + "---:|---:|",
-    ]
-    for r in rows:
-        raw = " | ".join(
-            f"{r[f'raw_{c}_GBps']:.2f} | {r[f'ratio_to_raw_{c}']:.2f}x" if r[f"raw_{c}_GBps"] else "- | -"
-            for c in ceilings
-        )
-        lines.append(
-            f"| {r['tokens']} | {r['bytes'] / 2**20:.0f} | {r['transfer_GBps']:.2f} | "
-            f"{r['memcpy_GBps']:.2f} | **{r['ratio_to_memcpy']:.2f}x** | {raw} | {r['staging_only_GBps']:.2f} | "
-            f"{r['cpu_cores_busy']:.2f} |"
-        )
-    worst = min(r["ratio_to_memcpy"] for r in rows)
-    if args.target is not None:
-        verdict = "met" if worst >= args.target else "MISSED"
-        lines += ["", f"Target transfer / memcpy >= {args.target}x: **{verdict}** (worst row {worst:.2f}x)."]
-    else:
-        lines += ["", f"No target for this transport; worst row {worst:.2f}x memcpy."]
-    lines += [
-        "",
-        "- transfer: cache-to-cache pull through the connector's transport (handshake done once).",
-        f"  {how or HOW[args.name]}",
-        "- raw gRPC: the same byte count as fresh chunk-sized messages through grpcio with the",
-        "  same channel options and no KV work — the ceiling any gRPC transport can reach here.",
-        "- staging only: gather + scatter in one process (no transport).",
-        "- CPU cores busy: user+system CPU of producer and consumer per second of transfer.",
-        *notes,
-    ]
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out / name}.md")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Both sides bind and advertise their host's address. The producer also runs a raw
 the consumer times it (same byte count, one plain socket, host 1 to host 2) next to each pull and
 its memcpy: the ceiling the network path between the hosts allows. shm is not measured: it moves
 bytes within one host only. Needs root. Results:
-bench/results/<date>-kv-transfer-<transport>-cross-host.{json,md}.
+bench/results/<date>-kv-transfer-<transports joined by '-'>-cross-host.{json,md}.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.kv_transfer import (  # noqa: E402
-    HOW,
+    ROUNDS,
     answer_rusage,
     pull_plan,
     run_pulls,
     serving,
-    write_results,
 )
+from bench.kv_transfer_results import write_results  # noqa: E402
 from pdcluster.kv_transfer.kv_cache import huge_pages  # noqa: E402
 from tests.support.hosts import Host, make_hosts  # noqa: E402
 
@@ -47,7 +47,7 @@ SENDER_BUFFER = 256 << 20  # raw TCP: the sender cycles through this many random
 READY_S = 300  # a side's caches are made and its servers listen within this
 STEP_S = 1800  # the longest a side may stay silent between two control messages
 METHOD = (
-    "median of repeats (each pull followed by one memcpy); cache-to-cache pull from a producer on "
+    f"{ROUNDS}; cache-to-cache pull from a producer on "
     "test host 1 to a consumer on test host 2: two network namespaces (own hostname, IPC, /dev/shm "
     "and PID namespace) joined by veth links on a bridge, the kernel's TCP stack between them; both "
     "caches on 2 MiB pages as the connector backs them; memcpy = ctypes.memmove of the same byte "
@@ -182,16 +182,16 @@ def cross_host_main(args, argv: list[str]) -> int:
     write_results(
         args,
         rows,
+        METHOD,
         label=f"{args.name}-cross-host",
-        method=METHOD,
-        how=HOW[args.name].replace("over 127.0.0.1 TCP", "over TCP between the two hosts"),
+        net="TCP between the two hosts",
         notes=[
             "- raw TCP: the same byte count through one plain TCP socket from host 1 to host 2",
             f"  ({args.chunk_bytes >> 20} MiB sendall slices of a {SENDER_BUFFER >> 20} MiB buffer, recv_into a "
             "destination of the full size on 2 MiB pages), no framing: the network path's ceiling.",
             f"- producer on {hosts['producer']['address']} ({host1.name}), consumer on "
-            f"{hosts['consumer']['address']} ({host2.name}), transport endpoint {addresses[0]}; host 1 put "
-            f"{sent / 2**30:.1f} GiB on the bridge during the run.",
+            f"{hosts['consumer']['address']} ({host2.name}), KV server (control, every transport) "
+            f"{addresses[0]}; host 1 put {sent / 2**30:.1f} GiB on the bridge during the run.",
             "- shm: not measured; it needs both caches on one host (shared memory, process_vm_readv/writev).",
         ],
         mode="cross-host",
