@@ -108,11 +108,6 @@ class Placement(_Model):
                 )
         return value
 
-    def describe(self) -> str:
-        parts = [f"label {k}={v}" for k, v in self.labels.items()]
-        parts += [f"resource {k}: {v:g}" for k, v in self.resources.items()]
-        return ", ".join(parts) or "any node"
-
 
 class RoleSection(_Model):
     replicas: int = Field(1, ge=0, le=64, description="Number of engines in this role.")

@@ -9,6 +9,7 @@ import importlib
 from datetime import timedelta
 from typing import Any
 
+from pdcluster.addresses import binds_every_address
 from pdcluster.compat.guard import expect_attributes, resolve
 
 C10D = "torch.distributed.distributed_c10d"
@@ -36,7 +37,7 @@ def gloo_pair_group(store: Any, rank: int, size: int, timeout: timedelta, host: 
     group_cls, options = gloo_options()
     options._timeout = timeout
     options._devices = [
-        group_cls.create_default_device() if host in ("", "0.0.0.0", "::") else group_cls.create_device(hostname=host)
+        group_cls.create_default_device() if binds_every_address(host) else group_cls.create_device(hostname=host)
     ]
     return group_cls(store, rank, size, options)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from pdcluster.addresses import binds_every_address, node_ip
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.logs import setup_logging
 
@@ -37,15 +37,6 @@ def process_tree_rss() -> int:
     return total
 
 
-def node_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray (tests): fall back to the hostname
-        return socket.gethostname()
-
-
 class EngineActor:
     role = "aggregated"
 
@@ -59,7 +50,7 @@ class EngineActor:
         self._secret_path: str | None = None
         if spec.kv_extra is not None:
             spec.kv_extra = self._node_kv_settings(dict(spec.kv_extra), secret)
-        if spec.http_host in ("0.0.0.0", "::"):
+        if binds_every_address(spec.http_host):
             spec.http_advertise_host = node_ip()
         self.spec = spec
         self.host = None
@@ -75,7 +66,7 @@ class EngineActor:
             f.write(secret)
         os.chmod(path, 0o600)
         self._secret_path = kv["secret_file"] = path
-        if kv.get("bind_host") in ("0.0.0.0", "::") and not kv.get("advertise_host"):
+        if binds_every_address(kv.get("bind_host", "127.0.0.1")) and not kv.get("advertise_host"):
             kv["advertise_host"] = node_ip()
         return kv
 

@@ -10,7 +10,6 @@ greedy identity with one aggregated engine is exact (tests/support/identity.py).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -90,15 +89,6 @@ def rows(status: dict, role: str, state: str = "ready") -> list[dict]:
     return [r for r in status["replicas"] if r["role"] == role and r["state"] == state]
 
 
-def wait_status(cluster, predicate, timeout_s: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not predicate(status := cluster.status()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {json.dumps(status['replicas'], default=str)[:3000]}")
-        time.sleep(1)  # status is polled; the controller publishes changes within a second
-    return status
-
-
 def stats_of(cluster, role: str) -> dict:
     return rows(cluster.status(), role)[0]["stats"]
 
@@ -150,8 +140,7 @@ def test_packet_loss_between_prefill_and_decode_costs_no_request(cluster, hosts,
     assert dropped > 0  # the loss did bite the KV traffic (TCP retransmitted it)
     # Pulls served them: none gave up and recomputed (the engine's counters reach status
     # within a monitor interval).
-    status = wait_status(
-        cluster,
+    status = cluster.wait_status(
         lambda s: (
             (d := rows(s, "decode")[0]["stats"])["kv_pulls_ok"] + d["kv_pulls_failed"]
             >= before["kv_pulls_ok"] + before["kv_pulls_failed"] + len(outputs)
@@ -171,8 +160,7 @@ def test_a_partition_between_prefill_and_decode_recomputes_and_frees_the_prefill
         outputs = greedy_all(cluster, PROMPTS[PARTITIONED])  # none hangs: pulls time out, decode recomputes
         assert rules.packets() > 0
         # The release cannot reach the prefill either: its blocks come back at lease expiry.
-        status = wait_status(
-            cluster,
+        status = cluster.wait_status(
             lambda s: (
                 rows(s, "prefill")[0]["stats"]["kv_cache_usage"] == 0.0
                 and rows(s, "prefill")[0]["stats"]["kv_leases_expired"] >= expired + len(outputs)
@@ -243,8 +231,7 @@ def test_losing_a_hosts_ray_node_restarts_its_replica_on_another_host(cluster, h
         for future in futures:
             future.result(timeout=300)  # none hangs
     assert len(outcomes) == len(futures) and "incomplete" not in outcomes, outcomes
-    status = wait_status(
-        cluster,
+    status = cluster.wait_status(
         lambda s: len(rows(s, "decode")) == 2 and victim not in [r["replica"] for r in rows(s, "decode")],
         240,
         "the lost decode replica's replacement",

@@ -79,17 +79,6 @@ def kill(cluster):
     ray.shutdown()
 
 
-def wait_status(cluster, predicate, timeout_s: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = cluster.status()
-        if predicate(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {json.dumps(status['replicas'], default=str)[:2000]}")
-        time.sleep(1)  # status is polled; the controller publishes changes within a second
-
-
 def inflight(cluster, replica: str) -> float:
     """The router's in-flight count for a replica, from /metrics (cheap to poll)."""
     text = httpx.get(cluster.endpoint + "/metrics", timeout=10).text
@@ -123,7 +112,7 @@ def test_killed_prefill_is_retried_elsewhere_and_replaced(cluster, client, kill)
         kill.crash(pid)
         results = [f.result() for f in futures]
     assert all(results)  # every request was served (retried on prefill-1 if needed)
-    status = wait_status(cluster, lambda s: len(ready(s, "prefill")) == 2, 300, "a replacement prefill replica")
+    status = cluster.wait_status(lambda s: len(ready(s, "prefill")) == 2, 300, "a replacement prefill replica")
     assert "prefill-0" not in ready(status, "prefill")
     dead = [r for r in status["retired"] if r["replica"] == "prefill-0"]
     assert dead and dead[0]["transitions"][-1][1] == "dead"
@@ -143,7 +132,7 @@ def migrations(cluster) -> float:
 
 
 def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(cluster, client, kill):
-    status = wait_status(cluster, lambda s: len(ready(s, "decode")) == 2, 300, "two decode replicas")
+    status = cluster.wait_status(lambda s: len(ready(s, "decode")) == 2, 300, "two decode replicas")
     victim, survivor = ready(status, "decode")
     assert inflight(cluster, victim) == inflight(cluster, survivor) == 0  # nothing leaked so far
     victim_pid = kill.pid_of(victim)
@@ -217,7 +206,7 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
     assert text == undisturbed["choices"][0]["text"]
     # New requests are served by the survivor while the replacement starts.
     assert all(stream_text(client, p, 8) for p in heldout_prompts()[10:14])
-    status = wait_status(cluster, lambda s: len(ready(s, "decode")) == 2, 300, "a replacement decode replica")
+    status = cluster.wait_status(lambda s: len(ready(s, "decode")) == 2, 300, "a replacement decode replica")
     assert victim not in ready(status, "decode")
 
 
@@ -237,8 +226,7 @@ def test_client_disconnect_aborts_the_decode_request(cluster):
                 events += line.startswith("data: ")
                 if events >= 5:
                     break  # the client goes away mid-stream
-    status = wait_status(
-        cluster,
+    status = cluster.wait_status(
         lambda s: all(r["running"] == 0 and r["kv_cache_usage"] == 0.0 for r in s["replicas"] if r["role"] == "decode"),
         30,
         "decode engines to abort the request and free its blocks",

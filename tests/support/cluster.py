@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,16 @@ class RunningCluster:
 
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json", "--name", self.name).stdout)
+
+    def wait_status(self, predicate, timeout_s: float, what: str) -> dict:
+        """The first status `predicate` accepts; an AssertionError naming `what` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate(status := self.status()):
+            if time.monotonic() > deadline:
+                replicas = json.dumps(status["replicas"], default=str)[:3000]
+                raise AssertionError(f"timed out waiting for {what}: {replicas}")
+            time.sleep(1)  # status is polled; the controller publishes changes within a second
+        return status
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
+from pdcluster.addresses import binds_every_address
 from pdcluster.errors import HandshakeError, KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
@@ -226,7 +227,7 @@ class MooncakeExtension(ServerExtension):
         self.producer = producer
         # Consumers reach its transfer engine where they reach its KV server.
         advertised = settings.host_for_peers
-        if advertised in ("0.0.0.0", "::", ""):
+        if binds_every_address(advertised):
             advertised = socket.gethostbyname(socket.gethostname())
         self.engine = engine_for("producer", advertised, settings)
         self.engine.register([(t.data_ptr(), t.numel() * t.element_size()) for t in cache.tensors])
@@ -297,18 +298,6 @@ class MooncakeClient(GrpcClient):
             )
         return reply.mooncake_session, list(reply.mooncake_layer_addresses)
 
-    def pull(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        sink: CacheSink,
-        *,
-        engine_id: str,
-        timeout_s: float,
-    ) -> int:
-        request = self.pull_request(request_id, block_ids, engine_id)
-        return self.control.call(lambda: self._pull_once(request, block_ids, sink, timeout_s))
-
     def _pull_once(self, request: pb.PullRequest, block_ids: Sequence[int], sink: CacheSink, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
         regions = sink.host_regions()
@@ -337,7 +326,6 @@ class MooncakeClient(GrpcClient):
                 outbox.put(pb.MooncakeReadRequest(done=True, error=str(exc) or type(exc).__name__))
                 raise
             outbox.put(pb.MooncakeReadRequest(done=True, bytes_read=total))
-            outbox.put(None)
             if next(call, None) is None:  # the producer held the lease until our reads ended
                 raise KVTransferError(f"producer {self.endpoint} ended the read of {request.request_id} early")
         except grpc.RpcError as exc:

@@ -150,18 +150,6 @@ class ShmClient(GrpcClient):
                 self._segments[name] = segment
             return segment
 
-    def pull(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        sink: ChunkSink,
-        *,
-        engine_id: str,
-        timeout_s: float,
-    ) -> int:
-        request = self.pull_request(request_id, block_ids, engine_id)
-        return self.control.call(lambda: self._pull_once(request, block_ids, sink, timeout_s))
-
     def _pull_once(self, request: pb.PullRequest, block_ids: Sequence[int], sink: ChunkSink, timeout_s: float) -> int:
         rows = sink.host_rows() if self.direct and self.shm_socket and isinstance(sink, CacheSink) else None
         if rows is not None:

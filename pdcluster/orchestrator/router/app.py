@@ -13,6 +13,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcluster.addresses import binds_every_address, node_ip
 from pdcluster.errors import NoReplicaError, PDClusterError
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
@@ -92,8 +93,6 @@ class Router:
 
         import uvicorn
 
-        from pdcluster.engine.actor import node_ip
-
         self.tokens.load_in_background()
         self._transport = AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256))
         self.http = self.phases.http = httpx.AsyncClient(
@@ -111,7 +110,7 @@ class Router:
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         # Bound to every address: the endpoint clients can reach is this node's address.
-        shown = node_ip() if host in ("0.0.0.0", "::", "") else host
+        shown = node_ip() if binds_every_address(host) else host
         self.url = f"http://{shown}:{sock.getsockname()[1]}"
         logger.info("router listening on %s", self.url)
         return self.url
