@@ -337,6 +337,8 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{stats['spec_mean_accepted_length']:.2f} tok/round "
                 f"({stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']} drafts)"
             )
+        if stats.get("prefix_cache_queries"):
+            notes.append(f"prefix hits {stats['prefix_cache_hits'] / stats['prefix_cache_queries']:.2f}")
         if r.get("kv_backend"):
             pairs = ", ".join(f"{peer}→{b}" for peer, b in sorted((r.get("kv_backends") or {}).items()))
             notes.append(f"kv {r['kv_backend']}" + (f": {pairs}" if pairs else ""))
@@ -347,6 +349,13 @@ def format_status(status: dict[str, Any]) -> str:
     routes = status.get("routes") or {}
     if routes:
         lines.append("routes: " + ", ".join(f"{path} {count}" for path, count in sorted(routes.items())))
+    cache = status.get("cache") or {}
+    if cache.get("policy") == "cache_aware":
+        known = ", ".join(
+            f"{rid} {c['source']} ({c['blocks'] if c['source'] == 'events' else c['history']} blocks)"
+            for rid, c in sorted(cache["replicas"].items())
+        )
+        lines.append(f"cache-aware routing: {known or 'no replica followed yet'}")
     for role, problem in sorted((status.get("unplaced") or {}).items()):
         lines.append(f"{role}: cannot place a replica: {problem}")
     lines.append("")

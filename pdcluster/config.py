@@ -207,8 +207,18 @@ class SpeculativeSection(_Model):
 class RouterSection(_Model):
     host: str = Field("127.0.0.1", description="Address the OpenAI-compatible endpoint binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the endpoint.")
-    policy: Literal["least_loaded", "round_robin"] = Field(
-        "least_loaded", description="Replica choice: least outstanding work, or round robin."
+    policy: Literal["least_loaded", "round_robin", "cache_aware"] = Field(
+        "least_loaded",
+        description="Replica choice: least outstanding work, round robin, or cache_aware (least work counting "
+        "what each replica's KV cache already holds of the prompt, from the engines' KV cache events).",
+    )
+    local_prefill_max_tokens: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="Conditional disaggregation: a request whose decode replica would compute at most this many "
+        "prompt tokens (its cache holds the rest, or the prompt is that short) skips the prefill hop and the KV "
+        "transfer (0: never).",
     )
     api_keys: list[str] = Field(default_factory=list, description="Accepted Bearer keys (empty: open).")
     api_keys_file: str | None = Field(None, description="File with one API key per line.")

@@ -25,6 +25,9 @@ The reaches, by module:
                  truncate_prompt (Request._all_token_ids ...), blocks_and_local_hit
                  (KVCacheBlocks.blocks, KVCacheBlock.block_hash): kv_transfer/scheduler.py;
                  stat_logger_base (StatLoggerBase.record, SchedulerStats): engine/stats.py
+  vllm_prefix    block_hasher (kv_cache_utils.hash_block_tokens, resolve_none_hash_seed,
+                 hashing.get_hash_fn_by_name): orchestrator/router/cache_index.py;
+                 drops_last_cached_block (SpeculativeConfig.use_eagle_block_drop): engine/host.py
   vllm_frontend  openai_frontend_args, build_openai_app (launchers' make_arg_parser, build_app,
                  init_app_state), platform_device (current_platform): engine/host.py;
                  answer_vllm_version_lookup (cli.main's version lookup): vllm_cli.py
@@ -70,6 +73,7 @@ from pdcluster.compat.vllm_frontend import (
     openai_frontend_args,
     platform_device,
 )
+from pdcluster.compat.vllm_prefix import block_hasher, check_block_hasher, drops_last_cached_block, external_hash
 from pdcluster.compat.vllm_queues import (
     PING_HWM,
     keep_queue_pings,
@@ -100,6 +104,7 @@ def shape_checks() -> dict[str, Callable[[], Any]]:
         "platform_device": platform_device,
         "answer_vllm_version_lookup": cli_main,
         "gloo_pair_group": gloo_options,
+        "block_hasher": check_block_hasher,
     }
 
 
@@ -122,13 +127,16 @@ __all__ = [
     "UntestedVLLMError",
     "VLLMShapeError",
     "answer_vllm_version_lookup",
+    "block_hasher",
     "blocks_and_local_hit",
     "build_openai_app",
     "check_vllm_version",
+    "drops_last_cached_block",
     "cli_main",
     "cpu_worker_base",
     "cpu_worker_name",
     "executor_choice",
+    "external_hash",
     "gloo_pair_group",
     "hccl_pair_group",
     "installed_vllm_version",

@@ -174,8 +174,10 @@ SCHEDULER_STATS_FIELDS = (
     "kv_cache_usage",
     "spec_decoding_stats",
     "kv_connector_stats",
+    "prefix_cache_stats",
 )
 SPEC_STATS_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PREFIX_STATS_FIELDS = ("queries", "hits")
 
 
 def stat_logger_base() -> type:
@@ -194,7 +196,11 @@ def stat_logger_base() -> type:
         ["self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"],
     )
     expect_attributes(base, STAT_LOGGER, ["log_engine_initialized"])
-    for name, fields in (("SchedulerStats", SCHEDULER_STATS_FIELDS), ("SpecDecodingStats", SPEC_STATS_FIELDS)):
+    for name, fields in (
+        ("SchedulerStats", SCHEDULER_STATS_FIELDS),
+        ("SpecDecodingStats", SPEC_STATS_FIELDS),
+        ("PrefixCacheStats", PREFIX_STATS_FIELDS),
+    ):
         cls = resolve("vllm.v1.metrics.stats", name)
         found = {f.name for f in dataclasses.fields(cls)}
         missing = [f for f in fields if f not in found]

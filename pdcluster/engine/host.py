@@ -21,6 +21,7 @@ from typing import Any
 from pdcluster import compat
 from pdcluster.engine.http_auth import RequireEngineKey
 from pdcluster.engine.kv_errors import KVErrorAnswers
+from pdcluster.engine.kv_events import EVENTS_PATH, KVEventRelay
 from pdcluster.engine.lifetime import mark_host
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.engine.stats import EngineStatsRecorder
@@ -43,6 +44,8 @@ def frontend_args(spec: EngineSpec, host: str, port: int):
             str(port),
             "--disable-uvicorn-access-log",
             "--disable-fastapi-docs",
+            # usage.prompt_tokens_details.cached_tokens: the prefix-cache hit of each request
+            "--enable-prompt-tokens-details",
         ]
     )
 
@@ -67,6 +70,7 @@ class EngineHost:
         self._serve_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
         self._failures: FailureInbox | None = None
+        self.events: KVEventRelay | None = None  # KV cache events for cache-aware routing (kv_events.py)
 
     async def start(self) -> str:
         """Start the engine and the HTTP app; returns the base URL once both accept requests.
@@ -92,8 +96,18 @@ class EngineHost:
             # processes, spawned below, inherit where to send it.
             self._failures = FailureInbox()
             os.environ[FAILURE_SOCKET_ENV] = self._failures.path
-        engine_args = AsyncEngineArgs(**self.spec.engine_kwargs())
+        kwargs = self.spec.engine_kwargs()
+        if self.spec.kv_events:
+            from vllm.config import KVEventsConfig
+
+            self.events = KVEventRelay()
+            kwargs["kv_events_config"] = KVEventsConfig(**self.events.config())
+        engine_args = AsyncEngineArgs(**kwargs)
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        if self.events is not None:
+            cache = vllm_config.cache_config
+            drop = compat.drops_last_cached_block(vllm_config)
+            self.events.start(cache.block_size, str(cache.prefix_caching_hash_algo), drop)
         self._note_async_scheduling(vllm_config)
         self._place_model(vllm_config)
         recorder = self.stats
@@ -128,6 +142,15 @@ class EngineHost:
             return self.info()
 
         app.add_api_route("/pdcluster/info", pdcluster_info, methods=["GET"])
+        if self.events is not None:
+            from fastapi.responses import StreamingResponse
+
+            events = self.events
+
+            async def kv_events() -> StreamingResponse:
+                return StreamingResponse(events.stream(), media_type="application/x-ndjson")
+
+            app.add_api_route(EVENTS_PATH, kv_events, methods=["GET"])
         if self._failures is not None:
             app = KVErrorAnswers(app, self._failures, self.spec.engine_id)
         return RequireEngineKey(app, self._http_token)
@@ -194,6 +217,9 @@ class EngineHost:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self.events is not None:
+            self.events.stop()
+            self.events = None
         if self._failures is not None:
             self._failures.close()
             self._failures = None

@@ -42,6 +42,7 @@ class EngineSpec:
     onednn_cache: int | None = None  # ONEDNN_PRIMITIVE_CACHE_CAPACITY (None: oneDNN's default)
     worker_spin_ms: float | None = None  # step-queue busy-wait (vllm_plugin; None: vLLM's 1 s)
     single_process: bool = True  # CPU: model in the engine-core process (engine/single_process.py)
+    kv_events: bool = False  # publish KV cache events to the router (engine/kv_events.py)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -25,6 +25,9 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     steps_recorded: int = 0
+    # vLLM's prefix cache: prompt tokens looked up, and those found cached (local hits)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # KV handoff totals (connector stats): consumer pulls, producer leases
     kv_pulls_ok: int = 0
     kv_pulls_failed: int = 0
@@ -68,6 +71,10 @@ class EngineStatsRecorder(compat.stat_logger_base()):
             s.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
             s.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
             s.steps_recorded += 1
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                s.prefix_cache_queries += prefix.queries
+                s.prefix_cache_hits += prefix.hits
             spec = scheduler_stats.spec_decoding_stats
             if spec is not None:
                 s.spec_drafts += spec.num_drafts

@@ -129,6 +129,7 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
         onednn_cache=section.onednn_cache,
         worker_spin_ms=section.worker_spin_ms,
         single_process=section.single_process,
+        kv_events=config.router.policy == "cache_aware",
     )
 
 
@@ -191,6 +192,7 @@ class Controller:
             tokenizer_path=cfg.model.tokenizer or cfg.model.path,
             first_token_from_prefill=cfg.router.first_token_from_prefill,
             migration_limit=cfg.router.migration_limit,
+            local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
             engine_token=engine_http_token(self._secret),
             generation_defaults=generation_defaults(cfg.model.path),
@@ -444,6 +446,7 @@ class Controller:
         rows = [replica_row(r, latency, inflight, backend) for pool in self.pools.values() for r in pool]
         router_rss = await self.router.rss_bytes.remote() if self.router is not None else None
         routes = await self.router.route_decisions.remote() if self.router is not None else {}
+        cache = await self.router.cache_index.remote() if self.router is not None else {}
         return {
             "name": self.config.name,
             "endpoint": self.endpoint,
@@ -455,6 +458,7 @@ class Controller:
             "replicas": rows,
             "unplaced": dict(self.unplaced),
             "routes": routes,
+            "cache": cache,
             "retired": [{"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired],
         }
 

@@ -101,6 +101,12 @@ class _EngineCollector:
         length = GaugeMetricFamily(
             "pdcluster_spec_mean_accepted_length", "Tokens per draft round (1 + accepted / rounds)", labels=["replica"]
         )
+        prefix_queries = CounterMetricFamily(
+            "pdcluster_prefix_cache_queries", "Prompt tokens looked up in the engine's prefix cache", labels=["replica"]
+        )
+        prefix_hits = CounterMetricFamily(
+            "pdcluster_prefix_cache_hits", "Prompt tokens found in the engine's prefix cache", labels=["replica"]
+        )
         rss = GaugeMetricFamily(
             "pdcluster_replica_rss_bytes",
             "Resident memory of the replica's actor and engine processes",
@@ -112,6 +118,8 @@ class _EngineCollector:
             running.add_metric([rid, role], stats.get("running", 0))
             waiting.add_metric([rid, role], stats.get("waiting", 0))
             kv_usage.add_metric([rid, role], stats.get("kv_cache_usage", 0.0))
+            prefix_queries.add_metric([rid], stats.get("prefix_cache_queries", 0))
+            prefix_hits.add_metric([rid], stats.get("prefix_cache_hits", 0))
             if row.get("rss_bytes"):
                 rss.add_metric([rid, role], row["rss_bytes"])
             if role in ("decode", "aggregated"):
@@ -141,11 +149,33 @@ class _EngineCollector:
             accepted,
             rate,
             length,
+            prefix_queries,
+            prefix_hits,
         )
 
 
+class _CacheIndexCollector:
+    """The router's view of each replica's KV cache (cache_index.py), for cache-aware routing."""
+
+    def __init__(self, source) -> None:
+        self._source = source  # callable -> {replica_id: {source, blocks, history, synced}}
+
+    def collect(self):
+        blocks = GaugeMetricFamily(
+            "pdcluster_cache_index_blocks",
+            "Blocks the router knows a replica's KV cache holds, by where its matches come from now "
+            "(events: the engine's KV events, in sync; history: the prompts the router sent it)",
+            labels=["replica", "source"],
+        )
+        for rid, entry in self._source().items():
+            blocks.add_metric(
+                [rid, entry["source"]], entry["blocks"] if entry["source"] == "events" else entry["history"]
+            )
+        yield blocks
+
+
 class RouterMetrics:
-    def __init__(self, engine_rows) -> None:
+    def __init__(self, engine_rows, cache_index=dict) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -182,14 +212,16 @@ class RouterMetrics:
         )
         self.routes = Counter(
             "pdcluster_route_decisions",
-            "Disaggregated requests by path: prefill then decode (pd), or decode alone (decode: several "
-            "choices, or no prefill replica ready)",
+            "Disaggregated requests by path: prefill then decode (pd), decode alone (decode: several "
+            "choices, or no prefill replica ready), or decode computing the few tokens its cache lacks "
+            "(local_prefill)",
             ["path"],
             registry=r,
         )
         router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
         router_rss.set_function(process_tree_rss)  # as `status` reports it
         r.register(_EngineCollector(engine_rows))
+        r.register(_CacheIndexCollector(cache_index))
         self.windows: dict[str, ReplicaWindows] = {}
 
     def window(self, replica_id: str) -> ReplicaWindows:

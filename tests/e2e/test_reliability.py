@@ -28,32 +28,23 @@ from pdcluster.keys import ENGINE_HTTP, KV_AUTH, KV_PARAMS, derive_key, engine_h
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
 from pdcluster.kv_transfer.transports.rpc import SERVICE
 from pdcluster.protos import kv_transfer_pb2 as pb
-from tests.support.cluster import cli, cluster_up, write_config
+from tests.e2e.conftest import PD_LEASE_S, PD_SECRET
+from tests.support.cluster import cli
 from tests.support.engines import assert_engine_key_required
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
 
 NAME = "tiny"
-SECRET = "reliability-secret-7f3a9c"
+SECRET = PD_SECRET
 ENGINE_HEADERS = {"Authorization": f"Bearer {engine_http_token(SECRET)}"}  # what the router sends engines
-LEASE_S = 8
+LEASE_S = PD_LEASE_S
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    home = tmp_path_factory.mktemp("reliability")
-    (home / "secret").write_text(SECRET)
-    config = write_config(
-        home / "cluster.yaml",
-        name="e2e-rel",
-        roles={"prefill": {"replicas": 2}, "decode": {"replicas": 2}},
-        model={"max_model_len": 4096},  # room for streams long enough to be killed mid-way
-        kv_transfer={"secret_file": str(home / "secret"), "lease_seconds": LEASE_S},
-        router={"max_body_bytes": 1 << 20},
-    )
-    with cluster_up(home, config) as running:
-        yield running
+def cluster(pd_cluster):
+    """2 prefill + 2 decode, cache-aware routing (tests/e2e/conftest.py)."""
+    return pd_cluster
 
 
 @pytest.fixture
@@ -117,6 +108,15 @@ def test_killed_prefill_is_retried_elsewhere_and_replaced(cluster, client, kill)
     dead = [r for r in status["retired"] if r["replica"] == "prefill-0"]
     assert dead and dead[0]["transitions"][-1][1] == "dead"
     assert stream_text(client, heldout_prompts()[0], 8)
+    # cache-aware routing dropped the dead replica's index and follows its replacement's events
+    cluster.wait_status(
+        lambda s: (
+            (known := s["cache"]["replicas"]).keys() == {r["replica"] for r in s["replicas"]}
+            and all(c["source"] == "events" for c in known.values())
+        ),
+        60,
+        "the router's cache index to follow the replacement",
+    )
 
 
 def retries(cluster, role: str) -> float:

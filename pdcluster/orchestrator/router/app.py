@@ -37,7 +37,7 @@ class Router:
         if not settings.engine_token:
             raise ValueError("a router needs the engine key (RouterSettings.engine_token) to reach replicas")
         self.settings = settings
-        self.metrics = RouterMetrics(lambda: self.pool.rows)
+        self.metrics = RouterMetrics(lambda: self.pool.rows, lambda: self.pool.cache.summary())
         self.pool = ReplicaPool(settings.policy, self.metrics)
         self.tokens = PromptTokens(settings.tokenizer_path)
         self.phases = PhaseRunner(settings, self.pool, self.metrics)
@@ -77,8 +77,13 @@ class Router:
         """Whether requests can be served: decode serves them alone while no prefill is ready."""
         return self.ready_roles().get("decode" if self.settings.disaggregated else "aggregated", 0) > 0
 
+    def cache_index(self) -> dict[str, Any]:
+        """The routing policy and, under cache_aware, what the router knows of each replica's cache."""
+        cache = self.pool.cache
+        return {"policy": self.pool.policy.name, "hashing": cache.hashing, "replicas": cache.summary()}
+
     def route_decisions(self) -> dict[str, int]:
-        """Disaggregated requests so far by path (`pd`, `decode`), as /metrics counts them."""
+        """Disaggregated requests so far by path (`pd`, `decode`, `local_prefill`), as /metrics counts them."""
         counts = {}
         for metric in self.metrics.routes.collect():
             for sample in metric.samples:
@@ -95,7 +100,7 @@ class Router:
 
         self.tokens.load_in_background()
         self._transport = AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256))
-        self.http = self.phases.http = httpx.AsyncClient(
+        self.http = self.phases.http = self.pool.cache.http = httpx.AsyncClient(
             # Every call to a replica carries the engine key its HTTP app requires (http_auth.py).
             headers={"Authorization": f"Bearer {self.settings.engine_token}"},
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
@@ -120,6 +125,7 @@ class Router:
             self._server.should_exit = True
             if self._serve_task is not None:
                 await asyncio.wait({self._serve_task}, timeout=10)
+        await self.pool.cache.close()
         if self.http is not None:
             await self.http.aclose()
 
@@ -181,7 +187,12 @@ class Router:
             return exc.response()
         h = self.phases.handoff(body, kind, started)
         try:
-            h.tokens = await self.tokens.count(body, kind)
+            if self.pool.policy.name == "cache_aware":
+                h.prompt = await self.tokens.prompt(body, kind)
+                await self.pool.cache.prepare(h.prompt)
+                h.tokens = h.prompt.count
+            else:
+                h.tokens = await self.tokens.count(body, kind)
             if h.stream:
                 return await self.phases.serve(h)
             return await self._answered(request, h)
@@ -265,8 +276,8 @@ class RouterActor:
     async def start(self, host: str, port: int) -> str:
         return await self.router.start(host, port)
 
-    def update_replicas(self, rows: list[dict[str, Any]]) -> None:
-        self.router.update_replicas(rows)
+    async def update_replicas(self, rows: list[dict[str, Any]]) -> None:
+        self.router.update_replicas(rows)  # on the router's event loop: it starts and cuts its tasks
 
     def inflight(self) -> dict[str, int]:
         return self.router.inflight()
@@ -276,6 +287,9 @@ class RouterActor:
 
     def route_decisions(self) -> dict[str, int]:
         return self.router.route_decisions()
+
+    def cache_index(self) -> dict[str, Any]:
+        return self.router.cache_index()
 
     def rss_bytes(self) -> int:
         from pdcluster.engine.actor import process_tree_rss

@@ -49,6 +49,7 @@ from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation, migration
+from pdcluster.orchestrator.router.cache_index import Prompt
 from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
 from pdcluster.orchestrator.router.relay import (
     Relay,
@@ -101,7 +102,9 @@ class Handoff:
     started: float
     pool: ReplicaPool
     metrics: RouterMetrics
-    tokens: int = 0  # estimated prompt tokens (load balancing)
+    tokens: int = 0  # prompt tokens, counted or estimated (load balancing)
+    prompt: Prompt | None = None  # token ids and block hashes (cache-aware routing)
+    cached: dict[str, int] = field(default_factory=dict)  # replica -> prompt tokens its cache held when chosen
     continuing: bool = False  # may take its first token from the prefill (continuation.py)
     local: bool = False  # decode computes the prompt itself (several choices): no prefill
     deadline: float = float("inf")  # perf_counter() time the whole request must end by
@@ -112,8 +115,9 @@ class Handoff:
     params: dict[str, Any] | None = None  # kv_transfer_params of the current lease
     first: continuation.FirstToken | None = None  # the prefill's first token, if decode continues
     delivered: bool = False  # bytes went to the client
+    routed: bool = False  # its path is decided and counted (PhaseRunner._route)
     outcome: str = "ok"
-    _held: list[ReplicaLoad] = field(default_factory=list)
+    _held: list[tuple[ReplicaLoad, int]] = field(default_factory=list)  # with the tokens each holds
     _finished: bool = False
 
     @property
@@ -126,24 +130,28 @@ class Handoff:
 
     def choose(self, role: str) -> ReplicaLoad:
         """A ready replica of `role` that has not failed this request, held for it (NoReplicaError
-        if there is none)."""
-        replica = self.pool.choose(role, self.excluded.get(role, ()))
-        self.pool.enter(replica, self.tokens)
-        self._held.append(replica)
+        if there is none). What its cache holds of the prompt is noted (`cached`) before the
+        prompt joins its history; a prefill or aggregated replica holds the tokens it computes."""
+        replica = self.pool.choose(role, self.excluded.get(role, ()), self.prompt)
+        cached = self.cached[replica.replica_id] = self.pool.cache.cached_tokens(replica.replica_id, self.prompt)
+        tokens = self.tokens - cached if role != "decode" else self.tokens
+        self.pool.enter(replica, tokens)
+        self._held.append((replica, tokens))
+        self.pool.cache.sent(replica.replica_id, self.prompt)
         return replica
 
     def drop(self, replica: ReplicaLoad) -> None:
         """This request no longer needs `replica` (a no-op if it does not hold it)."""
-        for i, held in enumerate(self._held):
+        for i, (held, tokens) in enumerate(self._held):
             if held is replica:
                 del self._held[i]
-                self.pool.leave(replica, self.tokens)
+                self.pool.leave(replica, tokens)
                 return
 
     def release(self) -> None:
         """Drop every replica still held (the request ended, whichever way)."""
         while self._held:
-            self.pool.leave(self._held.pop(), self.tokens)
+            self.pool.leave(*self._held.pop())
 
     def finish(self, outcome: str | None = None, e2e: bool = True) -> None:
         """Record how the request ended, once (the first call wins); `e2e`: observe its latency."""
@@ -182,8 +190,6 @@ class PhaseRunner:
         # Decode computes the prompt itself for several choices (one lease serves one pull), and
         # when no prefill replica is ready (scaled to 0, or all dead): served, not refused.
         local = self.settings.disaggregated and ((body.get("n") or 1) > 1 or not self._prefill_ready())
-        if self.settings.disaggregated:
-            self.metrics.routes.labels("decode" if local else "pd").inc()
         deadline = started + self.settings.request_timeout_s
         return Handoff(
             body,
@@ -217,6 +223,7 @@ class PhaseRunner:
             try:
                 if h.answering is None:
                     h.answering = h.choose(answering_role)
+                    self._route(h)
                 needs_prefill = self.settings.disaggregated and not h.local and h.params is None
                 if needs_prefill and (early := await self._prefill_or_alone(h)) is not None:
                     return early
@@ -225,6 +232,23 @@ class PhaseRunner:
                 return await self._deliver(h)
             except PhaseFailed as failure:
                 self.recover(h, failure)
+
+    def _route(self, h: Handoff) -> None:
+        """Decide a disaggregated request's path once its decode replica is chosen, and count it:
+        `pd` (prefill, then decode pulls the KV), `decode` (decode computes the prompt: several
+        choices, or no prefill ready) or `local_prefill` (conditional disaggregation: the decode
+        replica holds all but at most router.local_prefill_max_tokens of the prompt, or the
+        prompt is that short, so it computes the rest itself: no prefill hop, no transfer)."""
+        if not self.settings.disaggregated or h.routed:
+            return
+        h.routed = True
+        assert h.answering is not None
+        limit = self.settings.local_prefill_max_tokens
+        if not h.local and limit > 0 and h.tokens - h.cached.get(h.answering.replica_id, 0) <= limit:
+            h.local, h.continuing = True, False
+            self.metrics.routes.labels("local_prefill").inc()
+            return
+        self.metrics.routes.labels("decode" if h.local else "pd").inc()
 
     def recover(self, h: Handoff, failure: PhaseFailed) -> None:
         """Make `h` ready for its next try after `failure`, or raise what ends the request (see

@@ -1,5 +1,6 @@
 """The router's replica pool: membership and state from the controller, the choice of a replica
-by the routing policy (orchestrator/policies.py), and in-flight accounting.
+by the routing policy (orchestrator/policies.py) with what each replica's cache holds
+(cache_index.py), and in-flight accounting.
 
 In-flight counts are what least-loaded routing weighs, and what the controller waits on before it
 stops a draining replica, so every request holds each replica it is headed for from the moment
@@ -14,6 +15,7 @@ from pdcluster.errors import NoReplicaError
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad, make_policy
 from pdcluster.orchestrator.replicas import ReplicaState
+from pdcluster.orchestrator.router.cache_index import CacheIndex, Prompt
 
 
 def exhausted(role: str, tried: Collection[str]) -> str:
@@ -24,7 +26,8 @@ def exhausted(role: str, tried: Collection[str]) -> str:
 
 class ReplicaPool:
     def __init__(self, policy: str, metrics: RouterMetrics):
-        self.policy = make_policy(policy)
+        self.cache = CacheIndex()
+        self.policy = make_policy(policy, self.cache.cached_tokens)
         self.metrics = metrics
         self.replicas: dict[str, ReplicaLoad] = {}
         self.rows: list[dict[str, Any]] = []  # as the controller sent them (engine stats for /metrics)
@@ -59,12 +62,15 @@ class ReplicaPool:
                     self._cut.add(rid)
                     cut.append(replica.url)
         self.rows = [dict(row) for row in rows]
+        if self.policy.name == "cache_aware":
+            self.cache.follow([row for row in rows if ReplicaState(row["state"]) != ReplicaState.DEAD])
         return cut
 
-    def choose(self, role: str, tried: Collection[str] = ()) -> ReplicaLoad:
-        """A READY replica of `role` not in `tried`; NoReplicaError (503) naming them if none."""
+    def choose(self, role: str, tried: Collection[str] = (), prompt: Prompt | None = None) -> ReplicaLoad:
+        """A READY replica of `role` not in `tried`; NoReplicaError (503) naming them if none.
+        `prompt`: the request's, for cache-aware routing."""
         try:
-            return self.policy.choose(list(self.replicas.values()), role, exclude=set(tried))
+            return self.policy.choose(list(self.replicas.values()), role, exclude=set(tried), prompt=prompt)
         except NoReplicaError:
             raise NoReplicaError(exhausted(role, tried)) from None
 

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pdcluster.orchestrator.router.cache_index import Prompt
 from pdcluster.orchestrator.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
@@ -141,12 +142,41 @@ def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
             raise BadRequest("'messages' must be a non-empty list.", param="messages")
 
 
-class PromptTokens:
-    """Estimated prompt tokens, for load balancing only (the engine counts exactly).
+# Chat fields that change how the engine renders messages in ways the router does not repeat.
+CUSTOM_RENDERING = ("chat_template", "chat_template_kwargs", "tools", "documents", "mm_processor_kwargs")
 
-    Counted with the model's tokenizer once it has loaded (in the background, from the router's
-    start); until then, or if it does not load, estimated from the text's length. Long texts are
-    tokenized off the event loop so that other streams keep flowing."""
+
+def _text_messages(messages: Any) -> list[dict[str, Any]] | None:
+    """Chat messages with text content only, list-of-parts content joined as vLLM joins text
+    parts for string templates ("\n"); None when a message holds anything else."""
+    if not isinstance(messages, list):
+        return None
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                return None
+            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        elif content is not None and not isinstance(content, str):
+            return None
+        out.append(message)
+    return out
+
+
+class PromptTokens:
+    """A request's prompt tokens: for load balancing, and their ids for cache-aware routing.
+
+    Tokenized with the model's tokenizer once it has loaded (in the background, from the router's
+    start) as vLLM's frontend does: a completion's text with the special tokens (unless the
+    request says otherwise), a chat's messages through the model's chat template. Until the
+    tokenizer loads, or for what the router cannot render as the engine would (several prompts,
+    non-text parts, tools, a request's own template), only their count, estimated from the
+    text's length. Long texts are tokenized off the event loop so that other streams keep flowing."""
 
     def __init__(self, tokenizer_path: str | None):
         self.tokenizer_path = tokenizer_path
@@ -156,6 +186,44 @@ class PromptTokens:
     def load_in_background(self) -> None:
         if self.tokenizer_path:
             self.loading = asyncio.get_running_loop().run_in_executor(None, self._load)
+
+    async def prompt(self, body: dict[str, Any], kind: str) -> Prompt:
+        ids = await self.ids(body, kind)
+        if ids is not None:
+            return Prompt(ids, len(ids))
+        return Prompt(None, await self.count(body, kind))
+
+    async def ids(self, body: dict[str, Any], kind: str) -> list[int] | None:
+        """The prompt's token ids as the engine will see them, or None (see the class docstring)."""
+        tokenizer = self.tokenizer
+        if kind == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return list(prompt)
+            if tokenizer is None or not isinstance(prompt, str):
+                return None
+            special = body.get("add_special_tokens", True) is not False
+            return await self._encode(prompt, special)
+        messages = _text_messages(body.get("messages"))
+        if tokenizer is None or messages is None or any(body.get(k) for k in CUSTOM_RENDERING):
+            return None
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                continue_final_message=bool(body.get("continue_final_message")),
+            )
+        except Exception as exc:  # noqa: BLE001 - any template failure: the engine answers it; we route blind
+            logger.debug("router: chat template failed (%s); routing without the prompt's ids", exc)
+            return None
+        return await self._encode(text, body.get("add_special_tokens") is True)
+
+    async def _encode(self, text: str, special: bool) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        encoded = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=special)
+        return encoded["input_ids"]
 
     async def count(self, body: dict[str, Any], kind: str) -> int:
         if kind == "completions":

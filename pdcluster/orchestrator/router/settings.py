@@ -21,6 +21,7 @@ class RouterSettings:
     phase_attempts: int = 3  # replicas tried per role for one request (handoff.py)
     first_token_from_prefill: bool = True  # router.first_token_from_prefill (continuation.py)
     migration_limit: int = 2  # router.migration_limit: moves of one stream to another decode replica
+    local_prefill_max_tokens: int = 0  # router.local_prefill_max_tokens (conditional disaggregation)
     # The model's generation_config.json as request defaults (continuation.request_defaults):
     # what the engines apply to fields a client leaves out, so the router decides as they run.
     generation_defaults: dict = field(default_factory=dict)

@@ -1,0 +1,140 @@
+"""Cache-aware routing (policies.CacheAware) and conditional disaggregation (handoff._route):
+the choice by what each replica holds, weighed against load, and the local-prefill path, against
+stand-in replicas on real sockets. With live engines: tests/e2e/test_cache_aware.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdcluster.orchestrator.policies import CacheAware, ReplicaLoad
+from pdcluster.orchestrator.router import Router, RouterSettings
+from pdcluster.orchestrator.router.cache_index import Prompt
+from tests.unit.replica_stand_ins import ENGINE_TOKEN, StandIn, decode_answer, post, prefill_answer, row, running
+
+
+class Held:
+    """What each replica's cache holds of the one prompt of a test, in tokens."""
+
+    def __init__(self, **tokens: int):
+        self.tokens = tokens
+
+    def __call__(self, replica_id: str, prompt) -> int:
+        return self.tokens.get(replica_id.replace("-", "_"), 0)
+
+
+PROMPT = Prompt(list(range(1000)), 1000, hashes=[1, 2, 3, 4, 5, 6, 7], block_size=128)
+
+
+def pool(role: str, n: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(f"{role}-{i}", role, f"u{i}") for i in range(n)]
+
+
+def test_prefill_goes_where_computing_plus_queued_tokens_is_least():
+    replicas = pool("prefill", 2)
+    policy = CacheAware(Held(prefill_1=896))
+    assert policy.choose(replicas, "prefill", prompt=PROMPT).replica_id == "prefill-1"
+    replicas[1].inflight_prompt_tokens = 800  # 104 + 800 to compute there, 1000 + 0 on prefill-0
+    assert policy.choose(replicas, "prefill", prompt=PROMPT).replica_id == "prefill-1"
+    replicas[1].inflight_prompt_tokens = 1000
+    assert policy.choose(replicas, "prefill", prompt=PROMPT).replica_id == "prefill-0"
+
+
+def test_decode_prefers_the_most_leading_blocks_within_the_load_slack():
+    replicas = pool("decode", 3)
+    policy = CacheAware(Held(decode_2=512, decode_1=128))
+    assert policy.choose(replicas, "decode", prompt=PROMPT).replica_id == "decode-2"
+    replicas[2].inflight_requests = 2  # within 2 sequences of the least loaded: still the cache
+    assert policy.choose(replicas, "decode", prompt=PROMPT).replica_id == "decode-2"
+    replicas[2].inflight_requests = 3  # too busy: the next best cache among the rest
+    assert policy.choose(replicas, "decode", prompt=PROMPT).replica_id == "decode-1"
+
+
+def test_without_a_hashed_prompt_cache_aware_is_least_loaded():
+    replicas = pool("prefill", 2)
+    replicas[0].inflight_prompt_tokens = 10
+    policy = CacheAware(Held(prefill_0=896))
+    assert policy.choose(replicas, "prefill").replica_id == "prefill-1"
+    assert policy.choose(replicas, "prefill", prompt=Prompt(None, 1000)).replica_id == "prefill-1"
+
+
+async def no_events_then(answer):
+    """A stand-in replica that publishes no KV events (404 there), else answers as `answer`."""
+
+    async def serve(call, out):
+        if call.method == "GET":
+            await out.json({"detail": "Not Found"}, 404)
+        else:
+            await answer(call, out)
+
+    return serve
+
+
+def test_short_prompts_skip_the_prefill_under_local_prefill_max_tokens():
+    """Conditional disaggregation by length: a prompt decode may compute itself goes there
+    alone (no prefill call, nothing to pull), counted as local_prefill; a longer one takes P/D."""
+    settings = RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, local_prefill_max_tokens=8)
+    router = Router(settings)
+    prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
+
+    async def local_answer(call, out):
+        if "kv_transfer_params" in call.body:
+            await decode_answer(call, out)
+        else:
+            await out.json({"id": "cmpl-d", "choices": [{"index": 0, "text": "local"}]})
+
+    decode.answer = local_answer
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            short, _ = await post(url, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+            long, _ = await post(url, "/v1/completions", {"model": "tiny", "prompt": list(range(20)), "max_tokens": 2})
+            return short, long
+        finally:
+            await router.stop()
+            prefill.close()
+            decode.close()
+
+    short, long = asyncio.run(scenario())
+    assert short.json()["choices"][0]["text"] == "local" and "x-pdcluster-prefill" not in short.headers
+    assert long.json()["choices"][0]["text"] == "decoded lease 1" and long.headers["x-pdcluster-prefill"] == "prefill-0"
+    assert len(prefill.posts()) == 1
+    assert router.route_decisions() == {"local_prefill": 1, "pd": 1}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_without_events_a_repeated_prompt_follows_the_routers_history(stream):
+    """Replicas that publish no KV events: the router matches from the prompts it sent each one,
+    so a repeated prompt goes back to the prefill replica that computed it, a new one elsewhere."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, policy="cache_aware"))
+
+    async def scenario():
+        prefills = [StandIn(await no_events_then(prefill_answer())) for _ in range(2)]
+        decode = StandIn(await no_events_then(decode_answer))
+        url = await running(router, *prefills, decode)
+        rows = [row(f"prefill-{i}", "prefill", s.url) for i, s in enumerate(prefills)]
+        router.update_replicas(rows + [row("decode-0", "decode", decode.url)])
+        cache = router.pool.cache
+        try:
+            while cache._hasher is None:  # the history hasher loads once the replicas said 404
+                await asyncio.sleep(0.01)
+            chosen = []
+            for prompt in (list(range(100)), list(range(500, 600)), list(range(100)), list(range(500, 600))):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream}
+                response, _ = await post(url, "/v1/completions", body)
+                assert response.status_code == 200
+                chosen.append(response.headers["x-pdcluster-prefill"])
+            return chosen, cache.summary()
+        finally:
+            await router.stop()
+            for s in (*prefills, decode):
+                s.close()
+
+    chosen, summary = asyncio.run(scenario())
+    assert chosen[0] != chosen[1] and chosen[2:] == chosen[:2]
+    assert {r["source"] for r in summary.values()} == {"history"}
+    # 6 blocks of 16 tokens per prompt: one prompt on each prefill replica, both on decode
+    assert [summary[r]["history"] for r in ("prefill-0", "prefill-1", "decode-0")] == [6, 6, 12]
