@@ -114,11 +114,14 @@ class RequestTiming:
     error: str = ""
 
 
-def stream_completion(client: httpx.Client, model: str, prompt, max_tokens: int, **extra) -> RequestTiming:
-    """One streaming completion; per-token inter-token latencies from vLLM's continuous usage."""
+def stream_completion(
+    client: httpx.Client, model: str, prompt, max_tokens: int, messages: list | None = None, **extra
+) -> RequestTiming:
+    """One streaming completion (a chat completion of `messages` when given); per-token
+    inter-token latencies from vLLM's continuous usage."""
     body = {
         "model": model,
-        "prompt": prompt,
+        **({"messages": messages} if messages is not None else {"prompt": prompt}),
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -130,7 +133,8 @@ def stream_completion(client: httpx.Client, model: str, prompt, max_tokens: int,
     timing = RequestTiming(ok=False)
     last, seen = None, 0
     try:
-        with client.stream("POST", "/v1/completions", json=body) as response:
+        path = "/v1/chat/completions" if messages is not None else "/v1/completions"
+        with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 timing.error = f"HTTP {response.status_code}: {response.read()[:200]!r}"
                 return timing

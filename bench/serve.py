@@ -96,9 +96,23 @@ def pdcluster_setup(name: str, mode: str, workdir: Path, first_token_from_prefil
         yield endpoint
 
 
+def random_dataset(input_len: int, output_len: int) -> list[str]:
+    return ["--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len)]
+
+
 def bench_serve(
-    endpoint: str, out: Path, *, input_len: int, output_len: int, prompts: int, rate: float, seed: int
+    endpoint: str,
+    out: Path,
+    *,
+    prompts: int,
+    rate: float,
+    seed: int,
+    input_len: int = 0,
+    output_len: int = 0,
+    dataset: list[str] | None = None,
 ) -> subprocess.Popen:
+    """`vllm bench serve` against `endpoint`: the random dataset of `input_len`/`output_len`
+    unless `dataset` gives other dataset arguments."""
     cmd = [
         sys.executable,
         "-m",
@@ -115,12 +129,7 @@ def bench_serve(
         "tiny",
         "--tokenizer",
         str(MODEL),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(input_len),
-        "--random-output-len",
-        str(output_len),
+        *(dataset or random_dataset(input_len, output_len)),
         "--num-prompts",
         str(prompts),
         "--request-rate",
