@@ -356,6 +356,11 @@ def format_status(status: dict[str, Any]) -> str:
             for rid, c in sorted(cache["replicas"].items())
         )
         lines.append(f"cache-aware routing: {known or 'no replica followed yet'}")
+    planner = status.get("planner")
+    if planner:
+        wanted = ", ".join(f"{role} {planner['actual'][role]}→{n}" for role, n in sorted(planner["desired"].items()))
+        ago = time.time() - planner["at"]
+        lines.append(f"planner ({planner['mode']}): {planner['rule']}: {planner['reason']} ({ago:.0f} s ago; {wanted})")
     for role, problem in sorted((status.get("unplaced") or {}).items()):
         lines.append(f"{role}: cannot place a replica: {problem}")
     lines.append("")

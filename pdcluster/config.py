@@ -262,6 +262,50 @@ class RouterSection(_Model):
         return keys
 
 
+class AutoscaleRole(_Model):
+    min: int = Field(1, ge=0, le=64, description="Fewest replicas the planner keeps.")
+    max: int = Field(2, ge=0, le=64, description="Most replicas the planner starts.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscaleRole:
+        if self.min > self.max:
+            raise ValueError(f"min: must be ≤ max ({self.min} > {self.max})")
+        return self
+
+
+class AutoscaleSection(_Model):
+    """The SLO planner (orchestrator/planner.py): sizes prefill and decode to meet TTFT and ITL."""
+
+    enabled: bool = Field(False, description="Run the planner (disaggregated mode).")
+    mode: Literal["act", "advise"] = Field(
+        "act", description="act: scale through the scale-and-drain path; advise: only log and expose the decisions."
+    )
+    ttft_p90_ms: float = Field(1000, gt=0, le=3_600_000, description="Target: p90 time to first token (router view).")
+    itl_p90_ms: float = Field(100, gt=0, le=3_600_000, description="Target: p90 inter-token latency (router view).")
+    prefill: AutoscaleRole = Field(default_factory=AutoscaleRole, description="Prefill replicas' bounds.")
+    decode: AutoscaleRole = Field(default_factory=AutoscaleRole, description="Decode replicas' bounds.")
+    budget: int | None = Field(
+        None, ge=1, le=128, description="Most replicas of both roles together (default: the two maxima's sum)."
+    )
+    interval_seconds: float = Field(10, gt=0, le=3600, description="How often the planner decides.")
+    window_seconds: float = Field(
+        30, gt=0, le=3600, description="The latencies it reads: the router's p90 over this many seconds."
+    )
+    cooldown_seconds: float = Field(60, ge=0, le=86400, description="No action within this long of the last one.")
+    hysteresis: int = Field(3, ge=1, le=100, description="Intervals in a row a rule must hold before it acts.")
+    margin: float = Field(0.3, gt=0, lt=1, description="Targets met with margin: p90 ≤ (1 - margin) x target.")
+    kv_high: float = Field(0.9, gt=0, le=1, description="Decode KV cache usage that adds a decode replica.")
+
+    @model_validator(mode="after")
+    def _budget_fits(self) -> AutoscaleSection:
+        if self.budget is not None and self.budget < self.prefill.min + self.decode.min:
+            raise ValueError(f"budget: must be ≥ prefill.min + decode.min ({self.prefill.min + self.decode.min})")
+        return self
+
+    def total_budget(self) -> int:
+        return self.budget if self.budget is not None else self.prefill.max + self.decode.max
+
+
 class RaySection(_Model):
     address: str | None = Field(None, description="Existing cluster (e.g. 127.0.0.1:6379); empty: start a local head.")
     namespace: str = Field("pdcluster", description="Ray namespace of the controller and actors.")
@@ -280,6 +324,7 @@ class ClusterConfig(_Model):
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings, description="KV handoff.")
     speculative: SpeculativeSection | None = Field(None, description="MTP speculative decoding (both roles).")
     router: RouterSection = Field(default_factory=RouterSection, description="HTTP endpoint.")
+    autoscale: AutoscaleSection = Field(default_factory=AutoscaleSection, description="SLO planner (off by default).")
     ray: RaySection = Field(default_factory=RaySection, description="Where the actors run.")
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -300,6 +345,18 @@ class ClusterConfig(_Model):
                     )
         elif self.roles.aggregated.replicas == 0 and self.roles.prefill.replicas == 0:
             raise ValueError("roles.aggregated.replicas: aggregated mode needs ≥ 1 replica")
+        if self.autoscale.enabled:
+            if self.mode != "disaggregated":
+                raise ValueError("autoscale.enabled: the planner sizes prefill and decode (disaggregated mode)")
+            for role in ("prefill", "decode"):
+                bounds, replicas = getattr(self.autoscale, role), self.role(role).replicas
+                if not bounds.min <= replicas <= bounds.max:
+                    raise ValueError(
+                        f"roles.{role}.replicas: must be within autoscale.{role} min..max "
+                        f"({bounds.min}..{bounds.max}), got {replicas}"
+                    )
+            if self.roles.prefill.replicas + self.roles.decode.replicas > self.autoscale.total_budget():
+                raise ValueError("autoscale.budget: the configured replicas already exceed it")
         return self
 
     def serving_roles(self) -> tuple[RoleName, ...]:

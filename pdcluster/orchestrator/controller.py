@@ -29,6 +29,7 @@ from pdcluster.engine.spec import EngineSpec
 from pdcluster.errors import ConfigError
 from pdcluster.keys import engine_http_token
 from pdcluster.logs import setup_logging
+from pdcluster.orchestrator.autoscale import PlannerLoop
 from pdcluster.orchestrator.placement import actor_options, demand, orchestrator_options, unplaceable
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import ReplicaState
@@ -166,6 +167,7 @@ class Controller:
         self.endpoint: str | None = None
         self.started_at = time.time()
         self._monitor: asyncio.Task | None = None
+        self.planner: PlannerLoop | None = None  # autoscale.enabled: the SLO planner (autoscale.py)
         self._changed = asyncio.Event()
         self._stopping = False
         self._lock = asyncio.Lock()
@@ -193,6 +195,7 @@ class Controller:
             first_token_from_prefill=cfg.router.first_token_from_prefill,
             migration_limit=cfg.router.migration_limit,
             local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
+            slo_window_s=cfg.autoscale.window_seconds,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
             engine_token=engine_http_token(self._secret),
             generation_defaults=generation_defaults(cfg.model.path),
@@ -205,6 +208,9 @@ class Controller:
         self.endpoint = await self.router.start.remote(cfg.router.host, cfg.router.port)
         self._reconcile()
         self._monitor = asyncio.create_task(self._monitor_loop())
+        if cfg.autoscale.enabled:
+            self.planner = PlannerLoop(self)
+            self.planner.start()
         return self.endpoint
 
     def _api_keys(self) -> list[str]:
@@ -459,6 +465,7 @@ class Controller:
             "unplaced": dict(self.unplaced),
             "routes": routes,
             "cache": cache,
+            "planner": self.planner.last if self.planner is not None else None,
             "retired": [{"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired],
         }
 
@@ -471,6 +478,8 @@ class Controller:
         self._stopping = True
         if self._monitor is not None:
             self._monitor.cancel()
+        if self.planner is not None:
+            self.planner.stop()
         if self.router is not None:
             try:
                 await self.router.stop.remote()

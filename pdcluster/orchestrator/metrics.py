@@ -54,10 +54,10 @@ class LatencyWindow:
 
 
 class ReplicaWindows:
-    def __init__(self) -> None:
-        self.ttft = LatencyWindow()
-        self.itl = LatencyWindow()
-        self.phase = LatencyWindow()  # prefill replicas: time of the prefill call
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.ttft = LatencyWindow(window_s)
+        self.itl = LatencyWindow(window_s)
+        self.phase = LatencyWindow(window_s)  # prefill replicas: time of the prefill call
 
     def summary(self) -> dict[str, Any]:
         return {"ttft": self.ttft.percentiles(), "itl": self.itl.percentiles(), "phase": self.phase.percentiles()}
@@ -175,7 +175,7 @@ class _CacheIndexCollector:
 
 
 class RouterMetrics:
-    def __init__(self, engine_rows, cache_index=dict) -> None:
+    def __init__(self, engine_rows, cache_index=dict, slo_window_s: float = WINDOW_S) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -218,11 +218,28 @@ class RouterMetrics:
             ["path"],
             registry=r,
         )
+        self.planner_decisions = Counter(
+            "pdcluster_planner_decisions",
+            "SLO planner decisions that acted (or would, in advise mode), by role, action and rule",
+            ["role", "action", "reason"],
+            registry=r,
+        )
+        self.planner_replicas = Gauge(
+            "pdcluster_planner_replicas",
+            "Replicas per role: what the SLO planner wants (desired) and what runs (actual)",
+            ["role", "kind"],
+            registry=r,
+        )
         router_rss = Gauge("pdcluster_router_rss_bytes", "Resident memory of the router process", registry=r)
         router_rss.set_function(process_tree_rss)  # as `status` reports it
         r.register(_EngineCollector(engine_rows))
         r.register(_CacheIndexCollector(cache_index))
         self.windows: dict[str, ReplicaWindows] = {}
+        self.cluster = ReplicaWindows(slo_window_s)  # every replica's samples: the SLO planner's input
+
+    def slo(self) -> dict[str, float | None]:
+        """The cluster's p90 TTFT, ITL and prefill phase (seconds) over the SLO window."""
+        return {name: getattr(self.cluster, name).percentiles((0.9,))["p90"] for name in ("ttft", "itl", "phase")}
 
     def window(self, replica_id: str) -> ReplicaWindows:
         w = self.windows.get(replica_id)

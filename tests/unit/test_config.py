@@ -65,6 +65,19 @@ def test_shipped_configs_are_valid(name):
             {**BASE, "kv_transfer": {"mooncake": {"protocol": "udp"}}},
             "kv_transfer.mooncake.protocol: Input should be 'tcp' or 'rdma'",
         ),
+        ({**BASE, "router": {"policy": "random"}}, "router.policy: Input should be 'least_loaded', 'round_robin' or"),
+        ({**BASE, "router": {"local_prefill_max_tokens": -1}}, "router.local_prefill_max_tokens: must be ≥ 0"),
+        ({**BASE, "autoscale": {"prefill": {"min": 3, "max": 2}}}, "autoscale.prefill.min: must be ≤ max (3 > 2)"),
+        (
+            {**BASE, "autoscale": {"enabled": True, "decode": {"min": 2, "max": 3}}},
+            "roles.decode.replicas: must be within autoscale.decode min..max (2..3), got 1",
+        ),
+        ({**BASE, "autoscale": {"budget": 1}}, "autoscale.budget: must be ≥ prefill.min + decode.min (2)"),
+        (
+            {**BASE, "mode": "aggregated", "roles": {"aggregated": {"replicas": 1}}, "autoscale": {"enabled": True}},
+            "autoscale.enabled: the planner sizes prefill and decode",
+        ),
+        ({**BASE, "autoscale": {"margin": 1.5}}, "autoscale.margin: Input should be less than 1"),
     ],
 )
 def test_errors_name_the_yaml_path(data, message):

@@ -37,7 +37,7 @@ class Router:
         if not settings.engine_token:
             raise ValueError("a router needs the engine key (RouterSettings.engine_token) to reach replicas")
         self.settings = settings
-        self.metrics = RouterMetrics(lambda: self.pool.rows, lambda: self.pool.cache.summary())
+        self.metrics = RouterMetrics(lambda: self.pool.rows, lambda: self.pool.cache.summary(), settings.slo_window_s)
         self.pool = ReplicaPool(settings.policy, self.metrics)
         self.tokens = PromptTokens(settings.tokenizer_path)
         self.phases = PhaseRunner(settings, self.pool, self.metrics)
@@ -81,6 +81,16 @@ class Router:
         """The routing policy and, under cache_aware, what the router knows of each replica's cache."""
         cache = self.pool.cache
         return {"policy": self.pool.policy.name, "hashing": cache.hashing, "replicas": cache.summary()}
+
+    def planner(self, decision: dict[str, Any]) -> None:
+        """The SLO planner's latest decision (orchestrator/autoscale.py), for /metrics."""
+        for role, action in decision["actions"]:
+            self.metrics.planner_decisions.labels(role, action, decision["rule"]).inc()
+        if decision["rule"] == "unplaceable":
+            self.metrics.planner_decisions.labels(decision["role"], "unplaceable", decision["rule"]).inc()
+        for kind in ("desired", "actual"):
+            for role, count in decision[kind].items():
+                self.metrics.planner_replicas.labels(role, kind).set(count)
 
     def route_decisions(self) -> dict[str, int]:
         """Disaggregated requests so far by path (`pd`, `decode`, `local_prefill`), as /metrics counts them."""
@@ -290,6 +300,12 @@ class RouterActor:
 
     def cache_index(self) -> dict[str, Any]:
         return self.router.cache_index()
+
+    def slo(self) -> dict[str, float | None]:
+        return self.router.metrics.slo()
+
+    def planner(self, decision: dict[str, Any]) -> None:
+        self.router.planner(decision)
 
     def rss_bytes(self) -> int:
         from pdcluster.engine.actor import process_tree_rss

@@ -296,6 +296,7 @@ class PhaseRunner:
         elapsed = time.perf_counter() - started
         self.metrics.prefill.observe(elapsed)
         self.metrics.window(prefill.replica_id).phase.add(elapsed)
+        self.metrics.cluster.phase.add(elapsed)
         if response.status_code != 200:
             h.finish(outcome_for(response.status_code), e2e=False)
             return Response(response.content, status_code=response.status_code, media_type="application/json")

@@ -76,15 +76,19 @@ class TokenClock:
         if not count:
             return
         now = time.perf_counter()
+        cluster = self.metrics.cluster
         if self.last is None:
             self.metrics.ttft.observe(now - self.started)
             self.window.ttft.add(now - self.started)
+            cluster.ttft.add(now - self.started)
         else:
             self.metrics.itl.observe(now - self.last)
             self.window.itl.add(now - self.last)
+            cluster.itl.add(now - self.last)
         for _ in range(count - 1):
             self.metrics.itl.observe(0.0)
             self.window.itl.add(0.0)
+            cluster.itl.add(0.0)
         self.last = now
 
 

@@ -22,6 +22,7 @@ class RouterSettings:
     first_token_from_prefill: bool = True  # router.first_token_from_prefill (continuation.py)
     migration_limit: int = 2  # router.migration_limit: moves of one stream to another decode replica
     local_prefill_max_tokens: int = 0  # router.local_prefill_max_tokens (conditional disaggregation)
+    slo_window_s: float = 30.0  # autoscale.window_seconds: the p90s the SLO planner reads
     # The model's generation_config.json as request defaults (continuation.request_defaults):
     # what the engines apply to fields a client leaves out, so the router decides as they run.
     generation_defaults: dict = field(default_factory=dict)

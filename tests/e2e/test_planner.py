@@ -1,0 +1,95 @@
+"""The SLO planner acting on a real cluster (`autoscale:`, mode act): a flood of long prompts
+makes TTFT miss its target while prompts queue on the one prefill replica, and the planner adds a
+second one within a bounded number of intervals; once the flood is over and the targets are met
+with margin it scales prefill back to one. No request fails throughout."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.support.cluster import cluster_up, write_config
+from tests.support.prompts import token_prompt
+
+pytestmark = pytest.mark.e2e
+
+INTERVAL_S = 1.0
+HYSTERESIS = 2
+START_S = 240  # a prefill replica's start on this shared 2-core machine, with the flood running
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("planner")
+    config = write_config(
+        home / "cluster.yaml",
+        name="e2e-planner",
+        model={"max_model_len": 4096},
+        roles={"prefill": {"cpu_bind": ["0", "1"]}},  # its core pool: room for a second replica
+        autoscale={
+            "enabled": True,
+            "ttft_p90_ms": 600,
+            "itl_p90_ms": 5000,  # decode is not what this test is about
+            "prefill": {"min": 1, "max": 2},
+            "decode": {"min": 1, "max": 1},
+            "interval_seconds": INTERVAL_S,
+            "window_seconds": 4,
+            "cooldown_seconds": 3,
+            "hysteresis": HYSTERESIS,
+        },
+    )
+    with cluster_up(home, config) as running:
+        yield running
+
+
+def prefills(status) -> list[str]:
+    return sorted(r["replica"] for r in status["replicas"] if r["role"] == "prefill" and r["state"] == "ready")
+
+
+def test_a_flood_of_long_prompts_adds_prefill_and_the_calm_after_removes_it(cluster):
+    assert prefills(cluster.status()) == ["prefill-0"]
+    stop, failures, served = threading.Event(), [], [0]
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=cluster.endpoint, timeout=300) as http:
+            n = 0
+            while not stop.is_set():
+                body = {"model": "tiny", "prompt": token_prompt(3000, offset=7919 * (8 * n + i)), "max_tokens": 2}
+                try:
+                    response = http.post("/v1/completions", json={**body, "stream": True})
+                    if response.status_code != 200 or 'data: {"error"' in response.text:
+                        failures.append(response.text[:300])
+                    served[0] += 1
+                except httpx.HTTPError as exc:
+                    failures.append(repr(exc))
+                n += 1
+
+    flood = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for thread in flood:
+        thread.start()
+    try:
+        added = cluster.wait_status(
+            lambda s: (s.get("planner") or {}).get("rule") == "add_prefill", 120, "the planner to add prefill"
+        )
+        assert "TTFT p90" in added["planner"]["reason"] and added["planner"]["desired"]["prefill"] == 2
+        cluster.wait_status(lambda s: len(prefills(s)) == 2, START_S, "the second prefill replica to serve")
+        during = served[0]
+    finally:
+        stop.set()
+        for thread in flood:
+            thread.join(300)
+    assert served[0] > during  # the flood went on while it started
+    calm = cluster.wait_status(
+        lambda s: (s.get("planner") or {}).get("rule") == "remove" and len(prefills(s)) == 1,
+        120,
+        "the planner to scale prefill back to one",
+    )
+    assert calm["planner"]["actions"] == [["prefill", "remove"]]
+    assert failures == []
+    metrics = httpx.get(cluster.endpoint + "/metrics", timeout=30).text
+    assert 'pdcluster_planner_decisions_total{action="add",reason="add_prefill",role="prefill"} 1.0' in metrics
+    assert 'pdcluster_planner_replicas{kind="actual",role="prefill"}' in metrics
+    status_line = cluster.cli("status", "--name", cluster.name).stdout
+    assert "planner (act): remove" in status_line
