@@ -194,6 +194,28 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
     }
 
 
+# SLO pairs (TTFT ≤ T ms, largest inter-token gap ≤ S ms) every serving benchmark reports: what a
+# user feels is per request (did the first token come in time, did the stream ever stall).
+SLOS = ((200, 100), (1000, 50), (1000, 100))
+
+
+def attainment(detailed: dict) -> dict[str, float]:
+    """Per SLO pair, the share of requests meeting both bounds, from `vllm bench serve
+    --save-detailed` output (per-request `ttfts` and `itls`, seconds; a failed request has no
+    TTFT and meets none)."""
+    ttfts, itls = detailed.get("ttfts") or [], detailed.get("itls") or []
+    errors = detailed.get("errors") or [""] * len(ttfts)
+    out = {}
+    for t_ms, s_ms in SLOS:
+        met = sum(
+            1
+            for ttft, gaps, error in zip(ttfts, itls, errors)
+            if not error and ttft and ttft * 1e3 <= t_ms and max(gaps, default=0.0) * 1e3 <= s_ms
+        )
+        out[f"ttft<={t_ms}ms,gap<={s_ms}ms"] = met / len(ttfts) if ttfts else 0.0
+    return out
+
+
 def ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 2)
 

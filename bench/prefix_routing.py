@@ -8,6 +8,8 @@ fit in the two prefill caches together but not in one. Workloads, in this order 
            request one of them plus its own suffix (vLLM's own client computes TTFT)
   random   `vllm bench serve --dataset-name random`, same lengths, nothing shared: the check that
            cache-aware routing costs nothing where there is nothing to gain
+  random-prefix  the same with `--random-prefix-len`: one prefix all requests share (each prefill
+           cache holds it: the load term must keep both replicas busy)
   chat     multi-turn chats whose prefix grows each turn (our driver, bench/common.py): each
            conversation's own long system prompt, then turns that append the answer and a new
            question
@@ -162,8 +164,19 @@ def run_setup(setup: str, workdir: Path, prompts: int) -> dict:
                 "--random-output-len",
                 str(OUTPUT_LEN),
             ],
+            # one prefix every request shares (vLLM's random dataset with --random-prefix-len)
+            "random-prefix": [
+                "--dataset-name",
+                "random",
+                "--random-prefix-len",
+                str(PREFIX_LEN),
+                "--random-input-len",
+                str(SUFFIX_LEN),
+                "--random-output-len",
+                str(OUTPUT_LEN),
+            ],
         }
-        for name in ("prefix", "random", "chat"):
+        for name in ("prefix", "random", "random-prefix", "chat"):
             before, routes_before = prefix_counters(cfg, workdir), routes(endpoint)
             if name == "chat":
                 summary = chat_workload(endpoint)

@@ -6,6 +6,7 @@ and evictions, and a follower that lost its stream resyncs from a fresh snapshot
 from __future__ import annotations
 
 import asyncio
+import random
 
 import httpx
 import pytest
@@ -13,21 +14,21 @@ import pytest
 from pdcluster.engine.kv_events import EVENTS_PATH
 from pdcluster.orchestrator.router.cache_index import CacheIndex, Prompt
 from pdcluster.orchestrator.router.requests import PromptTokens
-from tests.e2e.conftest import REFERENCE_BLOCKS
-from tests.support.engines import MODEL
+from tests.support.engines import MODEL, run_engine, tiny_engine
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
 
 RID = "engine-0"
-BLOCKS = REFERENCE_BLOCKS  # the engine's whole KV cache, in blocks of 128 tokens: the prompts below evict
+BLOCKS = 48  # the engine's whole KV cache: 48 blocks of 128 tokens, so the prompts below evict
 SETTLE_S = 30.0  # bound on waiting for events the engine has already queued
 
 
 @pytest.fixture(scope="module")
-def engine(reference_engine):
-    """The shared reference engine (tests/e2e/conftest.py): float32, MTP k=1, events on."""
-    return reference_engine
+def engine(tmp_path_factory):
+    spec = tiny_engine("events", kv_events=True, engine_args={"num_gpu_blocks_override": BLOCKS})
+    with run_engine(spec, tmp_path_factory.mktemp("events")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ class Follower:
         self.http = httpx.AsyncClient(base_url=engine.url, headers=engine.headers, timeout=120)
         self.index = CacheIndex()
         self.index.http = self.http
-        self.markers = iter(range(10_000, 10_000_000, 131))
+        self.markers = random.Random()  # marker blocks no other request (of any module) holds
 
     def start(self) -> None:
         self.index.follow([{"replica_id": RID, "url": self.engine.url}])
@@ -69,8 +70,9 @@ class Follower:
 
     async def settle(self) -> None:
         """Every event of the requests answered so far is in the index: a marker request's own
-        block arrives after them (one publisher queue, in order)."""
-        marker = await self.prompt({"prompt": token_prompt(128, offset=next(self.markers))})
+        block (random ids: a block nobody holds yet, so the engine stores it anew) arrives after
+        them (one publisher queue, in order)."""
+        marker = await self.prompt({"prompt": [self.markers.randrange(300, 4000) for _ in range(128)]})
         await self.complete(marker.ids)
         await self.until(lambda: self.cache.cached.holds(marker.hashes[0]), "the marker block's event")
 
@@ -157,8 +159,7 @@ def test_a_follower_that_lost_its_stream_resyncs(engine, tokens):
         await asyncio.gather(task, return_exceptions=True)
         f.cache.synced = False
         assert f.cache.source() == "history"
-        # history: its 4 full blocks were sent, less the one this MTP engine recomputes
-        assert f.index.cached_tokens(RID, first) == 3 * 128
+        assert f.index.cached_tokens(RID, first) == 4 * 128  # history: its 4 full blocks were sent
         missed = await f.prompt({"prompt": token_prompt(500, offset=40_000)})
         await f.complete(missed.ids)  # its blocks' events go by while nobody follows
         del f.index._followers[RID]

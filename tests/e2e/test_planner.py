@@ -1,22 +1,30 @@
 """The SLO planner acting on a real cluster (`autoscale:`, mode act): a flood of long prompts
 makes TTFT miss its target while prompts queue on the one prefill replica, and the planner adds a
 second one within a bounded number of intervals; once the flood is over and the targets are met
-with margin it scales prefill back to one. No request fails throughout."""
+with margin it scales prefill back to one. No request fails throughout.
+
+The same cluster (1 prefill + 1 decode, cache-aware, `local_prefill_max_tokens` 256) checks
+conditional disaggregation: the local-prefill path answers as the P/D path does (float32, tokens
+and logprobs)."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
 import pytest
 
-from tests.support.cluster import cluster_up, write_config
+from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
+from tests.support.identity import assert_same_greedy, greedy_completion
 from tests.support.prompts import token_prompt
 
 pytestmark = pytest.mark.e2e
 
 INTERVAL_S = 1.0
 HYSTERESIS = 2
+LOCAL_PREFILL_MAX = 256  # MTP engines recompute a hit's last 128-token block: at least 129 tokens
+BLOCK = 128
 START_S = 240  # a prefill replica's start on this shared 2-core machine, with the flood running
 
 
@@ -28,6 +36,7 @@ def cluster(tmp_path_factory):
         name="e2e-planner",
         model={"max_model_len": 4096},
         roles={"prefill": {"cpu_bind": ["0", "1"]}},  # its core pool: room for a second replica
+        router={"local_prefill_max_tokens": LOCAL_PREFILL_MAX},
         autoscale={
             "enabled": True,
             "ttft_p90_ms": 600,
@@ -93,3 +102,39 @@ def test_a_flood_of_long_prompts_adds_prefill_and_the_calm_after_removes_it(clus
     assert 'pdcluster_planner_replicas{kind="actual",role="prefill"}' in metrics
     status_line = cluster.cli("status", "--name", cluster.name).stdout
     assert "planner (act): remove" in status_line
+
+
+def complete(http, prompt, **body):
+    response = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4, **body})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def routes(cluster) -> dict:
+    return cluster.status()["routes"]
+
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    with httpx.Client(base_url=cluster.endpoint, timeout=120) as client:
+        yield client
+
+
+def test_the_local_prefill_path_answers_as_the_pd_path(cluster, http):
+    """The first request takes P/D; its decode replica now holds the prompt's full blocks, so the
+    same prompt again leaves it fewer than local_prefill_max_tokens to compute: decode alone."""
+    prompt = token_prompt(3 * BLOCK + 10, offset=33_000)  # again: 138 to compute (MTP recomputes a block)
+    assert len(prompt) > LOCAL_PREFILL_MAX >= len(prompt) - 2 * BLOCK
+    before = routes(cluster)
+    pd = greedy_completion(http, prompt, 16)
+    local = greedy_completion(http, prompt, 16)
+    after = routes(cluster)
+    assert after.get("pd", 0) - before.get("pd", 0) == 1
+    assert after.get("local_prefill", 0) - before.get("local_prefill", 0) == 1
+    assert_same_greedy(pd, local, TEST_DTYPE, "local-prefill path vs P/D path")
+    whole = complete(http, prompt, max_tokens=16).json()["choices"][0]["text"]
+    streamed = complete(http, prompt, stream=True, max_tokens=16)
+    assert "x-pdcluster-prefill" not in streamed.headers  # decode alone, streaming too
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
+    assert routes(cluster).get("local_prefill", 0) - before.get("local_prefill", 0) == 3

@@ -1,20 +1,14 @@
 """Cache-aware routing on a real cluster (tests/e2e/conftest.py's `pd_cluster`: 2 prefill + 2 decode,
-`router.policy: cache_aware`, `local_prefill_max_tokens` 256): the engines' KV events reach the
-router, a repeated prefix goes to the prefill replica that holds it, a shared system prompt hits
-there, and the local-prefill path (decode holds all but a few tokens of the prompt) answers as the
-P/D path does (float32, token for token with logprobs). A crashed replica's index dropped and its
-replacement followed: test_reliability's prefill kill."""
+`router.policy: cache_aware`): the engines' KV events reach the router, a repeated prefix goes to
+the prefill replica that holds it, and a shared system prompt hits there. A crashed replica's
+index dropped and its replacement followed: test_reliability's prefill kill; the local-prefill
+path: test_planner."""
 
 from __future__ import annotations
-
-import json
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import PD_LOCAL_PREFILL_MAX
-from tests.support.cluster import TEST_DTYPE
-from tests.support.identity import assert_same_greedy, greedy_completion
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -80,23 +74,3 @@ def test_a_shared_system_prompt_across_chats_hits_on_one_prefill(cluster, http):
         WAIT_S,
         f"prefix-cache hits on {served[0]}",
     )
-
-
-def test_the_local_prefill_path_answers_as_the_pd_path(cluster, http):
-    """The first request takes P/D; its decode replica now holds the prompt's full blocks, so the
-    same prompt again leaves it fewer than local_prefill_max_tokens to compute: decode alone."""
-    prompt = token_prompt(3 * BLOCK + 10, offset=33_000)  # again: 138 to compute (MTP recomputes a block)
-    assert len(prompt) > PD_LOCAL_PREFILL_MAX >= len(prompt) - 2 * BLOCK
-    before = routes(cluster)
-    pd = greedy_completion(http, prompt, 16)
-    local = greedy_completion(http, prompt, 16)
-    after = routes(cluster)
-    assert after.get("pd", 0) - before.get("pd", 0) == 1
-    assert after.get("local_prefill", 0) - before.get("local_prefill", 0) == 1
-    assert_same_greedy(pd, local, TEST_DTYPE, "local-prefill path vs P/D path")
-    whole = complete(http, prompt, max_tokens=16).json()["choices"][0]["text"]
-    streamed = complete(http, prompt, stream=True, max_tokens=16)
-    assert "x-pdcluster-prefill" not in streamed.headers  # decode alone, streaming too
-    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
-    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
-    assert routes(cluster).get("local_prefill", 0) - before.get("local_prefill", 0) == 3

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 import uvloop
 
+from pdcluster.engine.kv_events import EVENTS_PATH
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router
@@ -136,6 +137,9 @@ class StandIn:
                     request_id.group(1).decode() if request_id else None,
                     authorization.group(1).decode() if authorization else None,
                 )
+                if call.path == EVENTS_PATH:  # publishes no KV events, as an engine without them
+                    await Writer(writer).json({"detail": "Not Found"}, 404)
+                    continue
                 self.calls.append(call)
                 if call.authorization != f"Bearer {ENGINE_TOKEN}":
                     await Writer(writer).json({"error": {"message": "no engine key", "code": 401}}, 401)

@@ -59,18 +59,6 @@ def test_without_a_hashed_prompt_cache_aware_is_least_loaded():
     assert policy.choose(replicas, "prefill", prompt=Prompt(None, 1000)).replica_id == "prefill-1"
 
 
-async def no_events_then(answer):
-    """A stand-in replica that publishes no KV events (404 there), else answers as `answer`."""
-
-    async def serve(call, out):
-        if call.method == "GET":
-            await out.json({"detail": "Not Found"}, 404)
-        else:
-            await answer(call, out)
-
-    return serve
-
-
 def test_short_prompts_skip_the_prefill_under_local_prefill_max_tokens():
     """Conditional disaggregation by length: a prompt decode may compute itself goes there
     alone (no prefill call, nothing to pull), counted as local_prefill; a longer one takes P/D."""
@@ -107,13 +95,14 @@ def test_short_prompts_skip_the_prefill_under_local_prefill_max_tokens():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_without_events_a_repeated_prompt_follows_the_routers_history(stream):
-    """Replicas that publish no KV events: the router matches from the prompts it sent each one,
+    """Replicas that publish no KV events (stand-ins answer 404 there): the router matches from the
+    prompts it sent each one,
     so a repeated prompt goes back to the prefill replica that computed it, a new one elsewhere."""
     router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, policy="cache_aware"))
 
     async def scenario():
-        prefills = [StandIn(await no_events_then(prefill_answer())) for _ in range(2)]
-        decode = StandIn(await no_events_then(decode_answer))
+        prefills = [StandIn(prefill_answer()) for _ in range(2)]
+        decode = StandIn(decode_answer)
         url = await running(router, *prefills, decode)
         rows = [row(f"prefill-{i}", "prefill", s.url) for i, s in enumerate(prefills)]
         router.update_replicas(rows + [row("decode-0", "decode", decode.url)])
