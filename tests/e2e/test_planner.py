@@ -36,7 +36,7 @@ def cluster(tmp_path_factory):
         name="e2e-planner",
         model={"max_model_len": 4096},
         roles={"prefill": {"cpu_bind": ["0", "1"]}},  # its core pool: room for a second replica
-        router={"local_prefill_max_tokens": LOCAL_PREFILL_MAX},
+        router={"policy": "cache_aware", "local_prefill_max_tokens": LOCAL_PREFILL_MAX},
         autoscale={
             "enabled": True,
             "ttft_p90_ms": 600,
