@@ -1,8 +1,11 @@
-"""`pd_cluster` (package): 2 prefill + 2 decode replicas with cache-aware routing, killed, fuzzed
+"""`http` (module): an httpx client on the module's `cluster` endpoint.
+
+`pd_cluster` (package): 2 prefill + 2 decode replicas with cache-aware routing, killed, fuzzed
 and probed by test_reliability, and routed by test_routing (one cluster start for both)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from tests.support.cluster import cluster_up, write_config
@@ -28,3 +31,9 @@ def pd_cluster(tmp_path_factory):
     )
     with cluster_up(home, config) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    with httpx.Client(base_url=cluster.endpoint, timeout=120) as client:
+        yield client

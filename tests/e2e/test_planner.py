@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
+from tests.support.cluster import TEST_DTYPE, cluster_up, complete, write_config
 from tests.support.identity import assert_same_greedy, greedy_completion
 from tests.support.prompts import token_prompt
 
@@ -104,31 +104,15 @@ def test_a_flood_of_long_prompts_adds_prefill_and_the_calm_after_removes_it(clus
     assert "planner (act): remove" in status_line
 
 
-def complete(http, prompt, **body):
-    response = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4, **body})
-    assert response.status_code == 200, response.text
-    return response
-
-
-def routes(cluster) -> dict:
-    return cluster.status()["routes"]
-
-
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=cluster.endpoint, timeout=120) as client:
-        yield client
-
-
 def test_the_local_prefill_path_answers_as_the_pd_path(cluster, http):
     """The first request takes P/D; its decode replica now holds the prompt's full blocks, so the
     same prompt again leaves it fewer than local_prefill_max_tokens to compute: decode alone."""
     prompt = token_prompt(3 * BLOCK + 10, offset=33_000)  # again: 138 to compute (MTP recomputes a block)
     assert len(prompt) > LOCAL_PREFILL_MAX >= len(prompt) - 2 * BLOCK
-    before = routes(cluster)
+    before = cluster.routes()
     pd = greedy_completion(http, prompt, 16)
     local = greedy_completion(http, prompt, 16)
-    after = routes(cluster)
+    after = cluster.routes()
     assert after.get("pd", 0) - before.get("pd", 0) == 1
     assert after.get("local_prefill", 0) - before.get("local_prefill", 0) == 1
     assert_same_greedy(pd, local, TEST_DTYPE, "local-prefill path vs P/D path")
@@ -137,4 +121,4 @@ def test_the_local_prefill_path_answers_as_the_pd_path(cluster, http):
     assert "x-pdcluster-prefill" not in streamed.headers  # decode alone, streaming too
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
-    assert routes(cluster).get("local_prefill", 0) - before.get("local_prefill", 0) == 3
+    assert cluster.routes().get("local_prefill", 0) - before.get("local_prefill", 0) == 3

@@ -6,9 +6,9 @@ path: test_planner."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+from tests.support.cluster import complete
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -28,22 +28,6 @@ def following(status) -> bool:
     ready = {r["replica"] for r in status["replicas"] if r["state"] == "ready"}
     known = cache.get("replicas") or {}
     return bool(cache.get("hashing")) and ready <= {rid for rid, c in known.items() if c["source"] == "events"}
-
-
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=cluster.endpoint, timeout=120) as client:
-        yield client
-
-
-def complete(http, prompt, **body):
-    response = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4, **body})
-    assert response.status_code == 200, response.text
-    return response
-
-
-def routes(cluster) -> dict:
-    return cluster.status()["routes"]
 
 
 def test_a_repeated_prefix_goes_to_the_prefill_replica_that_holds_it(cluster, http):

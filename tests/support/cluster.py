@@ -80,6 +80,10 @@ class RunningCluster:
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json", "--name", self.name).stdout)
 
+    def routes(self) -> dict:
+        """Disaggregated requests so far by path (pd, decode, local_prefill), as status shows them."""
+        return self.status()["routes"]
+
     def wait_status(self, predicate, timeout_s: float, what: str) -> dict:
         """The first status `predicate` accepts; an AssertionError naming `what` after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
@@ -89,6 +93,14 @@ class RunningCluster:
                 raise AssertionError(f"timed out waiting for {what}: {replicas}")
             time.sleep(1)  # status is polled; the controller publishes changes within a second
         return status
+
+
+def complete(http, prompt, **body):
+    """A completion through the router's `http` client (4 tokens unless `body` says otherwise);
+    it must succeed."""
+    response = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4, **body})
+    assert response.status_code == 200, response.text
+    return response
 
 
 @contextlib.contextmanager
