@@ -1,4 +1,8 @@
-"""`http` (module): an httpx client on the module's `cluster` endpoint.
+"""`reference_engine` (package): one aggregated float32 engine without speculation, started once
+for every identity test (test_cluster, test_kv_faults, test_kv_handoff, test_mtp_pd,
+test_multinode): P/D, MTP and cluster outputs must all equal what it computes alone.
+
+`http` (module): an httpx client on the module's `cluster` endpoint.
 
 `pd_cluster` (package): 2 prefill + 2 decode replicas with cache-aware routing, killed, fuzzed
 and probed by test_reliability, and routed by test_routing (one cluster start for both)."""
@@ -8,10 +12,18 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.cluster import cluster_up, write_config
+from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
+from tests.support.engines import run_engine, tiny_engine
 
 PD_SECRET = "reliability-secret-7f3a9c"
 PD_LEASE_S = 8
+
+
+@pytest.fixture(scope="package")
+def reference_engine(tmp_path_factory):
+    spec = tiny_engine("reference", dtype=TEST_DTYPE, engine_args={"max_num_seqs": 16}, cpu_threads_bind="0")
+    with run_engine(spec, tmp_path_factory.mktemp("reference")) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="package")

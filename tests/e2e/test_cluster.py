@@ -18,7 +18,6 @@ import pytest
 
 from pdcluster.keys import engine_http_token
 from tests.support.cluster import TEST_DTYPE, cli, cluster_up, leftover_processes, write_config
-from tests.support.engines import run_engine, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, greedy_completion
 from tests.support.prompts import heldout_prompts, token_prompt
 
@@ -42,32 +41,30 @@ def greedy(http: httpx.Client, prompt, headers: dict | None = None) -> Greedy:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Greedy outputs of one aggregated engine with the cluster's model, dtype and MTP settings."""
-    tmp = tmp_path_factory.mktemp("reference")
-    spec = tiny_engine("reference", dtype=TEST_DTYPE, speculative={"method": "mtp", "num_speculative_tokens": 1})
-    with run_engine(spec, tmp) as engine:
-        # The OpenAI client sends its api_key as the bearer: the engine key.
-        client = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine_http_token(engine.secret))
-        completions = [
-            client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
-            for p in PROMPTS
-        ]
-        chats = [
-            client.chat.completions.create(model=NAME, messages=m, max_tokens=MAX_TOKENS, temperature=0)
-            .choices[0]
-            .message.content
-            for m in CHAT
-        ]
-        prefixed = [
-            client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
-            for p in PREFIXED
-        ]
-        with engine.client() as http:
-            logprobs = {
-                "completions": [greedy(http, p) for p in PROMPTS],
-                "prefixed": [greedy(http, p) for p in PREFIXED],
-            }
+def reference(reference_engine):
+    """Greedy outputs of one aggregated engine with the cluster's model and dtype (conftest.py)."""
+    engine = reference_engine
+    # The OpenAI client sends its api_key as the bearer: the engine key.
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine_http_token(engine.secret))
+    completions = [
+        client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
+    chats = [
+        client.chat.completions.create(model=NAME, messages=m, max_tokens=MAX_TOKENS, temperature=0)
+        .choices[0]
+        .message.content
+        for m in CHAT
+    ]
+    prefixed = [
+        client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+        for p in PREFIXED
+    ]
+    with engine.client() as http:
+        logprobs = {
+            "completions": [greedy(http, p) for p in PROMPTS],
+            "prefixed": [greedy(http, p) for p in PREFIXED],
+        }
     return {"completions": completions, "chat": chats, "prefixed": prefixed, "logprobs": logprobs}
 
 
@@ -354,10 +351,11 @@ def test_with_prefill_scaled_to_zero_decode_serves_requests_alone(cluster, clien
     assert "routes: decode" in cli(cluster.home, "status", "--name", cluster.name).stdout
 
 
-def test_down_leaves_no_processes(cluster):
+def test_down_leaves_no_processes(cluster, reference_engine):
     cli(cluster.home, "down", "--name", cluster.name, timeout=300)
     deadline = time.monotonic() + 30
-    while (left := leftover_processes(RAY_MARKERS)) and time.monotonic() < deadline:
+    spared = reference_engine.process.pid  # the tests' own engine (conftest.py) runs on
+    while (left := leftover_processes(RAY_MARKERS, spare_group=spared)) and time.monotonic() < deadline:
         time.sleep(0.5)  # processes exit asynchronously after their group is signalled
     assert left == []
     assert not (cluster.home / f"{cluster.name}.json").exists()

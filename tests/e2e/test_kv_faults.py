@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
-from tests.support.engines import run_engine, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, greedy_completion
 from tests.support.prompts import token_prompt
 
@@ -45,9 +44,8 @@ def wait_for(predicate, timeout_s, what):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    spec = tiny_engine("faults-reference", dtype=TEST_DTYPE, speculative={"method": "mtp", "num_speculative_tokens": 1})
-    with run_engine(spec, tmp_path_factory.mktemp("faults-ref")) as engine, engine.client() as http:
+def reference(reference_engine):
+    with reference_engine.client() as http:
         return [greedy(http, p) for p in PROMPTS]
 
 

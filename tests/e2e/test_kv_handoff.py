@@ -1,7 +1,8 @@
 """P -> D handoff through PDConnector with real vLLM engines in separate processes.
 
 Engines (float32: strict identity, tokens and logprobs; tests/support/identity.py; bf16 is
-covered with a near-tie tolerance in test_bf16_identity.py): one aggregated reference, one prefill (producer, backend auto: it offers grpc, shm, mooncake and
+covered with a near-tie tolerance in test_bf16_identity.py): the aggregated reference
+(conftest.py: single-process, as every engine here but decode-shm), one prefill (producer, backend auto: it offers grpc, shm, mooncake and
 collective), and decode (consumer) engines: a healthy one forced to grpc (the full matrix runs
 there), one whose every pull fails (injected; recompute policy), one whose KV layout does not
 match (block size 64 vs 128; fail policy), and one each for the faster backends: auto (which
@@ -20,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from pdcluster.keys import KV_PARAMS, derive_key, engine_http_token
@@ -50,12 +52,11 @@ def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, sin
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, reference_engine):
     tmp = tmp_path_factory.mktemp("kv-handoff")
     secret = tmp / "secret"
     secret.write_text("handoff-test-secret\n")
     specs = [
-        spec("agg", "aggregated", "0", secret),
         # Bound beyond loopback, so auto also offers mooncake (Mooncake listens on every interface).
         spec(
             "prefill",
@@ -75,7 +76,7 @@ def engines(tmp_path_factory):
         spec("decode-narrow", "decode", "1", secret, max_num_seqs=1),
     ]
     with run_engines(specs, tmp) as running:
-        yield running
+        yield {"agg": reference_engine, **running}
 
 
 def complete(engine, prompt, max_tokens, **extra):
@@ -348,6 +349,30 @@ def test_forged_params_dial_nothing_and_are_recomputed_or_refused(engines):
     response = complete(engines["decode"], prompt, 6, kv_transfer_params=real)
     assert_same(expected, response)
     wait_for(lambda: info(engines["prefill"])["stats"]["kv_cache_usage"] == 0.0, 30, "P blocks freed")
+
+
+def vllm_processes(pid: int) -> dict[str, list[int]]:
+    """The engine's vLLM processes by title (VLLM::EngineCore, VLLM::Worker...): the cores each
+    one's main thread may run on."""
+    found = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        if child.name().startswith("VLLM::"):
+            found[child.name()] = child.cpu_affinity()
+    return found
+
+
+def test_engines_run_their_model_in_the_engine_core_unless_told_otherwise(engines):
+    """Single-process CPU engines (engine/single_process.py): the model runs in the engine-core
+    process, its engine thread bound to the configured core; with single_process off, vLLM's own
+    layout (engine core + worker process). Both compute the same: every decode's output here is
+    compared with `agg`'s, and decode-shm is the worker-process one."""
+    single, split = info(engines["agg"]), info(engines["decode-shm"])
+    assert single["single_process"] is True and single["single_process_reason"] == ""
+    assert split["single_process"] is False
+    processes = vllm_processes(engines["agg"].process.pid)
+    assert processes == {"VLLM::EngineCore": [0]}, processes
+    processes = vllm_processes(engines["decode-shm"].process.pid)
+    assert "VLLM::EngineCore" in processes and any(t.startswith("VLLM::Worker") for t in processes), processes
 
 
 # The faster backends: the same identity checks on a few lengths (grpc covers the full matrix).

@@ -36,11 +36,11 @@ def spec(engine_id, role, k, bind, secret_file):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, reference_engine):
     tmp = tmp_path_factory.mktemp("mtp")
     secret = tmp / "secret"
     secret.write_text("mtp-test-secret")
-    specs = [spec("agg-off", "aggregated", 0, "0", secret)]
+    specs = []
     for k in KS:
         specs += [
             spec(f"agg-k{k}", "aggregated", k, "1", secret),
@@ -48,7 +48,7 @@ def engines(tmp_path_factory):
             spec(f"decode-k{k}", "decode", k, "1", secret),
         ]
     with run_engines(specs, tmp) as running:
-        yield running
+        yield {"agg-off": reference_engine, **running}  # the reference: no speculation (conftest.py)
 
 
 def generate(engine, prompt, kv_transfer_params=None, max_tokens=MAX_TOKENS):

@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from tests.support.cluster import TEST_DTYPE, cli, cluster_up, write_config
-from tests.support.engines import run_engine, tiny_engine
 from tests.support.hosts import make_hosts
 from tests.support.identity import assert_same_greedy, greedy_completion
 from tests.support.netfaults import delay, loss, partition, require_nft
@@ -39,9 +38,8 @@ LEASE_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    spec = tiny_engine("hosts-reference", dtype=TEST_DTYPE, speculative={"method": "mtp", "num_speculative_tokens": 1})
-    with run_engine(spec, tmp_path_factory.mktemp("hosts-ref")) as engine, engine.client() as http:
+def reference(reference_engine):
+    with reference_engine.client() as http:
         return [greedy_completion(http, p, MAX_TOKENS) for p in PROMPTS]
 
 

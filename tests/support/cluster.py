@@ -114,19 +114,21 @@ def cluster_up(home: Path, config_path: Path, host: Host | None = None) -> Itera
         cli(home, "down", "--name", name, timeout=300, check=False, host=host)
 
 
-def leftover_processes(markers: tuple[str, ...]) -> list[str]:
-    """Command lines of live processes (not zombies) containing any marker."""
+def leftover_processes(markers: tuple[str, ...], spare_group: int | None = None) -> list[str]:
+    """Command lines of live processes (not zombies) containing any marker, except those of
+    process group `spare_group`."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ", 1)[1].startswith("Z"):
-                    continue
+                state, _ppid, group = f.read().split(") ", 1)[1].split()[:3]
+            if state == "Z" or (spare_group is not None and int(group) == spare_group):
+                continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
             continue
         if any(m in cmdline for m in markers):
             found.append(f"{pid}: {cmdline[:200]}")

@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "pdcluster-tiny-code"
 STARTUP_TIMEOUT_S = 240
 MAX_MODEL_LEN = 1024  # the context of every test engine (tiny_engine)
+# KV cache of every test engine: ~50k float32 tokens of the tiny model, 40 full contexts (the
+# whole GiB a cluster role gets would hold 200k and cost every engine 0.75 GiB more memory).
+KV_CACHE_BYTES = 256 << 20
 TEST_SECRET = "engines-test-secret-5b1e"  # of engines that are given no secret file
 
 
@@ -94,7 +97,6 @@ def _launch(spec: EngineSpec, log_dir: Path) -> tuple[subprocess.Popen, Path]:
     log_path = log_dir / f"{spec.engine_id}.log"
     env = dict(os.environ)
     env.update(spec.env())
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [
@@ -128,8 +130,7 @@ def run_engines(specs: list[EngineSpec], log_dir: Path) -> Iterator[dict[str, Ru
             running[spec.engine_id] = RunningEngine(spec, url, proc, log_path, secret)
         yield running
     finally:
-        for _, proc, _ in launched:
-            stop_process(proc)
+        stop_processes([proc for _, proc, _ in launched])
 
 
 @contextlib.contextmanager
@@ -138,15 +139,19 @@ def run_engine(spec: EngineSpec, log_dir: Path) -> Iterator[RunningEngine]:
         yield running[spec.engine_id]
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 30) -> None:
+    """SIGTERM every engine at once (each takes seconds to shut its engine core down), then wait
+    for each; one still running at the deadline loses its whole process group."""
+    live = [proc for proc in procs if proc.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def tiny_engine(
@@ -160,7 +165,7 @@ def tiny_engine(
     **fields,
 ) -> EngineSpec:
     """An engine of the shipped tiny model as the tests run it: served as "tiny", 1024 tokens of
-    context, eager, 1 GiB of KV cache; a prefill or decode engine gets `kv_extra(secret_file,
+    context, eager, KV_CACHE_BYTES of KV cache; a prefill or decode engine gets `kv_extra(secret_file,
     **kv)`. Other EngineSpec fields (speculative, cpu_threads_bind, single_process, ...) as given."""
     return EngineSpec(
         role=role,
@@ -169,9 +174,8 @@ def tiny_engine(
         served_model_name="tiny",
         dtype=dtype,
         max_model_len=MAX_MODEL_LEN,
-        engine_args={"enforce_eager": True, **(engine_args or {})},
+        engine_args={"enforce_eager": True, "kv_cache_memory_bytes": KV_CACHE_BYTES, **(engine_args or {})},
         kv_extra=None if role == "aggregated" else kv_extra(secret_file, **(kv or {})),
-        kv_cache_gib=1,
         **fields,
     )
 
