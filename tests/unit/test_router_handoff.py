@@ -349,6 +349,29 @@ def test_a_decode_that_dies_mid_stream_is_continued_on_another_without_an_error(
     assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
 
 
+def test_a_decode_alone_that_dies_before_its_first_event_starts_the_request_over_on_another(serve):
+    """Decode computing a request alone (no prefill replica, or the local-prefill path) answers,
+    then dies while computing the prompt: the client has nothing yet, so the same request starts
+    over on another decode replica, and the client sees one clean stream."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+
+    async def whole(call, out):
+        await out.sse(token_events([100, 101, 102, 103], start=1, prompt=PROMPT_IDS, finish=True) + ["data: [DONE]"])
+
+    gone, live = StandIn(dying_decode([])), StandIn(whole)
+    body = {**COMPLETION, "stream": True, "temperature": 0}
+    response, lines = serve(router, {"decode-gone": gone, "decode-live": live}, body, [])
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""], lines
+    events = data(lines)
+    assert not [e for e in events if "error" in e]
+    assert [c["text"] for e in events for c in e["choices"]] == [" t100", " t101", " t102", " t103"]
+    assert not any("token_ids" in c or "prompt_token_ids" in c for e in events for c in e["choices"])
+    [restarted] = live.posts()
+    assert restarted.path == "/v1/completions" and restarted.body["prompt"] == COMPLETION["prompt"]
+    assert "kv_transfer_params" not in restarted.body
+    assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
+
+
 @pytest.mark.parametrize(("change", "limit"), [({"stop": ["\n"]}, 2), ({}, 0)])
 def test_a_stream_that_cannot_migrate_ends_with_an_error_event(serve, change, limit):
     """A request whose meaning would not survive the split (a stop string), or migration off."""

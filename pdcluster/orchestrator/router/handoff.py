@@ -20,9 +20,9 @@ Recovery (`PhaseRunner.recover`), the same for every phase and role:
   - a replica reached that then failed before any byte went to the client: it is excluded and
     the request goes again from its first phase (for decode: a fresh prefill, so a fresh lease,
     for another decode replica; the failed one may have used up the lease);
-  - a replica that failed after bytes went to the client: an SSE error event, never a retry (a
-    continuation that was never reached is still sent on to another decode replica: the client
-    sees one stream either way);
+  - a decode stream that broke after its answer began: it moves to another decode replica
+    (migration.py), continued after the tokens the client has, or started over when decode
+    computed the request alone and nothing reached the client; else an SSE error event;
   - each role gets `phase_attempts` replicas per request; past that, or when no untried replica
     of the role is ready, a 503 naming the role and the replicas tried.
 """
@@ -330,11 +330,8 @@ class PhaseRunner:
         """Send the request to the replica that answers it and relay the answer (stream or JSON)."""
         assert self.http is not None and h.answering is not None
         replica = h.answering
-        body = h.body if h.params is None else {**h.body, "kv_transfer_params": h.params}
         progress = self._progress(h)
-        if progress is not None:
-            body = {**body, "return_token_ids": True}  # what a migration continues from
-        upstream = await post(self.http, replica, h.path, body, h.stream, h.request_id)
+        upstream = await post(self.http, replica, h.path, self._answer_body(h, progress), h.stream, h.request_id)
         headers = h.served_by()
         if not h.stream:
             h.drop(replica)
@@ -351,13 +348,22 @@ class PhaseRunner:
         clock = TokenClock(self.metrics, replica.replica_id, h.started)
         return RelayResponse(closing(relay, self._relayed(h, relay, upstream, clock, None, progress)), relay, headers)
 
+    @staticmethod
+    def _answer_body(h: Handoff, progress: migration.Progress | None) -> dict[str, Any]:
+        """What the replica that answers gets: the client's request, the lease if there is one,
+        and the token ids a migration continues from when the stream may migrate."""
+        body = h.body if h.params is None else {**h.body, "kv_transfer_params": h.params}
+        return body if progress is None else {**body, "return_token_ids": True}
+
     def _progress(self, h: Handoff) -> migration.Progress | None:
         """A decode stream that may migrate mid-stream gets its progress tracked (migration.py)."""
         if not (self.settings.disaggregated and self.settings.migration_limit > 0):
             return None
         if not migration.resumable(h.body, h.kind, self.settings.generation_defaults):
             return None
-        return migration.Progress.after_first_token(h.first) if h.first is not None else migration.Progress()
+        if h.first is not None:
+            return migration.Progress.after_first_token(h.first)
+        return migration.Progress(restartable=h.params is None)
 
     async def _relayed(
         self,
@@ -386,7 +392,8 @@ class PhaseRunner:
                     return
                 except StreamBroke as broke:
                     cause = broke.cause
-            assert progress is not None and progress.header is not None
+            assert progress is not None
+            restart = progress.can_restart  # nothing reached the client: the request starts over
             moved: httpx.Response | None = None
             while moved is None and moves < self.settings.migration_limit:
                 moves += 1
@@ -404,9 +411,7 @@ class PhaseRunner:
                 return
             self.metrics.migrations.labels("ok").inc()
             upstream = moved
-            rewrite = functools.partial(
-                continuation.rewrite, kind=h.kind, first=progress.header, generated=len(progress.generated)
-            )
+            rewrite = None if restart else migration.rewrite_after(progress, h.kind)
 
     async def _migrate(
         self, h: Handoff, relay: Relay, progress: migration.Progress, failed: ReplicaLoad
@@ -419,14 +424,18 @@ class PhaseRunner:
         h.drop(failed)
         h.excluded.setdefault("decode", []).append(failed.replica_id)
         h.answering = h.choose("decode")  # NoReplicaError when none is left
-        body = migration.resume_body(h.body, h.kind, progress, self.settings.generation_defaults)
+        if progress.can_restart:
+            path, body = h.path, self._answer_body(h, progress)
+        else:
+            path = continuation.CONTINUATION_PATH
+            body = migration.resume_body(h.body, h.kind, progress, self.settings.generation_defaults)
         logger.warning(
             "decode replica %s failed mid-stream after %d tokens; continuing on %s",
             failed.replica_id,
             len(progress.generated),
             h.answering.replica_id,
         )
-        upstream = await post(self.http, h.answering, continuation.CONTINUATION_PATH, body, True, h.request_id)
+        upstream = await post(self.http, h.answering, path, body, True, h.request_id)
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()

@@ -16,6 +16,8 @@ do streams past `router.migration_limit` migrations or with no decode replica le
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,7 @@ class Progress:
     generated: list[int] = field(default_factory=list)
     finished: bool = False  # an event carried a finish_reason: nothing is left to generate
     header: continuation.FirstToken | None = None  # the first response's id, created, model
+    restartable: bool = False  # no lease to pull: the request may start over on another replica
 
     @classmethod
     def after_first_token(cls, first: continuation.FirstToken) -> Progress:
@@ -79,6 +82,18 @@ class Progress:
     @property
     def can_resume(self) -> bool:
         return bool(self.prompt_ids) and self.header is not None and not self.finished
+
+    @property
+    def can_restart(self) -> bool:
+        """A request decode computes alone (local prefill, no prefill replica) whose stream broke
+        before any event reached the client (the replica died computing the prompt): it starts
+        over on another replica, as it was."""
+        return self.restartable and self.header is None and not self.generated and not self.finished
+
+
+def rewrite_after(progress: Progress, kind: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The rewrite that makes a resumed stream's events the rest of the client's own stream."""
+    return functools.partial(continuation.rewrite, kind=kind, first=progress.header, generated=len(progress.generated))
 
 
 def resume_body(body: dict[str, Any], kind: str, progress: Progress, defaults: dict[str, Any]) -> dict[str, Any]:

@@ -171,8 +171,9 @@ async def relay_events(
 ) -> AsyncIterator[bytes]:
     """The replica's SSE events to the client: each event rewritten (`rewrite`: a continuation as
     the client's own request), an error event counted by what it is, a broken upstream ended
-    with an error event, or, when `progress` (what the client has, migration.py) can be resumed,
-    with StreamBroke for the caller to continue the stream elsewhere.
+    with an error event, or, when `progress` (what the client has, migration.py) can be resumed
+    or nothing reached the client yet, with StreamBroke for the caller to continue the stream
+    elsewhere.
 
     Every complete event of one upstream read leaves in one write: nothing waits for more input,
     and the client is not woken once per line (each write is a syscall here and a read there, on
@@ -190,7 +191,7 @@ async def relay_events(
             yield _relay_batch(batch, handoff, clock, rewrite, progress)
     except (httpx.HTTPError, OSError) as exc:
         logger.error("stream from %s broke: %s", replica_id, exc)
-        if progress is not None and progress.can_resume:
+        if progress is not None and (progress.can_resume or progress.can_restart):
             raise StreamBroke(exc) from exc
         handoff.outcome = "upstream_error"
         yield error_event(mid_stream_error(replica_id, exc), "upstream_error", 502)
