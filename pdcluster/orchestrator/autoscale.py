@@ -73,6 +73,7 @@ class PlannerLoop:
                 starting=sum(r.state == ReplicaState.STARTING for r in pool),
                 draining=sum(r.state == ReplicaState.DRAINING for r in pool),
                 waiting=sum(s.get("waiting", 0) for s in stats),
+                running=sum(s.get("running", 0) for s in stats),
                 kv_usage=max((s.get("kv_cache_usage", 0.0) for s in stats), default=0.0),
                 unplaceable=self.unplaceable(role, actual[role]),
             )

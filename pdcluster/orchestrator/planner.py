@@ -38,12 +38,17 @@ class RoleView:
     starting: int = 0
     draining: int = 0
     waiting: int = 0  # requests queued in the role's engines
+    running: int = 0  # requests being computed in the role's engines
     kv_usage: float = 0.0  # the highest replica's KV cache usage, 0..1
     unplaceable: str = ""  # why no node (or no free core) can take one more replica ("": one can)
 
     @property
     def settling(self) -> bool:
         return bool(self.starting or self.draining)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
 
 
 @dataclass(frozen=True)
@@ -98,9 +103,12 @@ class Planner:
         )
         itl_miss = snap.itl_p90_s is not None and snap.itl_p90_s > lim.itl_p90_s
         kv_full = snap.roles["decode"].kv_usage >= lim.kv_high
+        # A window without samples is idle only where nothing is in flight: prompts queued past
+        # the window on an overloaded prefill have no first token yet, so no TTFT to show.
+        busy = snap.roles["prefill"].busy or snap.roles["decode"].busy
         slack = {
-            "prefill": _slack(snap.ttft_p90_s, lim.ttft_p90_s, lim.margin),
-            "decode": None if kv_full else _slack(snap.itl_p90_s, lim.itl_p90_s, lim.margin),
+            "prefill": _slack(snap.ttft_p90_s, lim.ttft_p90_s, lim.margin, busy),
+            "decode": None if kv_full else _slack(snap.itl_p90_s, lim.itl_p90_s, lim.margin, snap.roles["decode"].busy),
         }
         candidates = []
         if ttft_miss and prefill_queues:
@@ -167,10 +175,11 @@ class Planner:
         return Decision(rule, why, actions, desired, role)
 
 
-def _slack(p90: float | None, target: float, margin: float) -> float | None:
-    """How far under its target a signal is, as a share of the target (None: not met with margin)."""
+def _slack(p90: float | None, target: float, margin: float, busy: bool) -> float | None:
+    """How far under its target a signal is, as a share of the target (None: not met with margin,
+    or unknown: no sample in the window while requests are in flight)."""
     if p90 is None:
-        return 1.0  # no traffic: nothing missed
+        return None if busy else 1.0  # idle: nothing missed
     share = 1.0 - p90 / target
     return share if share >= margin else None
 

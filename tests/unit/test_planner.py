@@ -83,6 +83,16 @@ def test_no_traffic_counts_as_met():
     assert decision.actions == (("prefill", "remove"),)
 
 
+def test_no_samples_while_requests_are_in_flight_is_not_slack():
+    """An overloaded prefill whose queued prompts wait past the window yields no TTFT sample: that
+    is not an idle cluster, and nothing is removed (prefill queued, or decode still streaming)."""
+    for busy in ({"prefill": RoleView(ready=2, waiting=6)}, {"decode": RoleView(ready=2, running=3)}):
+        planner = Planner(LIMITS)
+        roles = {"prefill": RoleView(ready=2), "decode": RoleView(ready=1), **busy}
+        decisions = run(planner, *(snap(t, ttft=None, itl=None, phase=None, **roles) for t in (0, 5, 10)))
+        assert all(d.actions == () for d in decisions), decisions
+
+
 def test_cooldown_and_changes_in_flight_hold_the_next_action():
     planner = Planner(LIMITS)
     queued = RoleView(ready=1, waiting=4)
