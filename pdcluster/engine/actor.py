@@ -49,7 +49,7 @@ class EngineActor:
         self._secret = secret
         self._secret_path: str | None = None
         if spec.kv_extra is not None:
-            spec.kv_extra = self._node_kv_settings(dict(spec.kv_extra), secret)
+            spec.kv_extra = self._node_kv_settings(dict(spec.kv_extra), secret, spec.engine_id)
         if binds_every_address(spec.http_host):
             spec.http_advertise_host = node_ip()
         self.spec = spec
@@ -58,10 +58,10 @@ class EngineActor:
         self.error: str | None = None
         self._start_lock = asyncio.Lock()
 
-    def _node_kv_settings(self, kv: dict[str, Any], secret: str) -> dict[str, Any]:
-        """Node-local parts of the KV settings (KVTransferSettings fields): the secret file,
-        the address peers dial."""
-        fd, path = tempfile.mkstemp(prefix="pdcluster-kv-", suffix=".secret")
+    def _node_kv_settings(self, kv: dict[str, Any], secret: str, engine_id: str) -> dict[str, Any]:
+        """Node-local parts of the KV settings (KVTransferSettings fields): the secret file
+        (named after its engine, `<cluster>-<replica>`, while it exists), the address peers dial."""
+        fd, path = tempfile.mkstemp(prefix=f"pdcluster-kv-{engine_id}-", suffix=".secret")
         with os.fdopen(fd, "w") as f:
             f.write(secret)
         os.chmod(path, 0o600)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from pdcluster.keys import engine_http_token
-from tests.support.cluster import TEST_DTYPE, cli, cluster_up, leftover_processes, write_config
+from tests.support.cluster import TEST_DTYPE, cli, cluster_processes, cluster_up, write_config
 from tests.support.identity import Greedy, assert_same_greedy, greedy_completion
 from tests.support.prompts import heldout_prompts, token_prompt
 
@@ -191,7 +191,8 @@ def test_streams_take_their_first_token_from_the_prefill(cluster, client, refere
 def test_no_secret_file_outlives_the_engines_start(cluster):
     """Each engine actor wrote the KV secret to a private file for its engine's processes; once
     they run, the file is gone (an actor killed later leaves nothing behind)."""
-    left = [p for p in Path(tempfile.gettempdir()).glob("pdcluster-kv-*.secret") if p.stat().st_mtime >= STARTED[0]]
+    files = Path(tempfile.gettempdir()).glob(f"pdcluster-kv-{cluster.name}-*.secret")
+    left = [p for p in files if p.stat().st_mtime >= STARTED[0]]
     assert left == []
 
 
@@ -264,14 +265,13 @@ def test_status_json_reflects_cluster(cluster):
     assert "worker process kept" not in table
 
 
-def _model_processes() -> list[psutil.Process]:
+def _model_processes(home: Path) -> list[psutil.Process]:
     """The process holding each model of this cluster's prefill and decode actors: the engine
     core (single-process engines, local-cpu.yaml's default), else its vLLM worker process."""
     holders = []
-    for proc in psutil.process_iter():
+    for pid in cluster_processes(home, ("VLLM::EngineCore",)):
         try:
-            if not " ".join(proc.cmdline()).startswith("VLLM::EngineCore"):
-                continue
+            proc = psutil.Process(pid)
             if any(
                 " ".join(p.cmdline()).startswith(("ray::PrefillWorker", "ray::DecodeWorker")) for p in proc.parents()
             ):
@@ -285,7 +285,7 @@ def _model_processes() -> list[psutil.Process]:
 def test_engine_processes_get_the_cpu_settings(cluster):
     """Each engine's model runs in its engine core, with the bounded oneDNN cache and its KV
     cache on 2 MiB pages (and the short step-queue spin, for engines that keep a worker process)."""
-    holders = _model_processes()
+    holders = _model_processes(cluster.home)
     assert len(holders) == 2
     assert all(p.name() == "VLLM::EngineCore" for p in holders)  # no worker processes
     thp = "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
@@ -351,11 +351,11 @@ def test_with_prefill_scaled_to_zero_decode_serves_requests_alone(cluster, clien
     assert "routes: decode" in cli(cluster.home, "status", "--name", cluster.name).stdout
 
 
-def test_down_leaves_no_processes(cluster, reference_engine):
+def test_down_leaves_no_processes(cluster):
+    assert cluster_processes(cluster.home, RAY_MARKERS)  # what is looked for is found while up
     cli(cluster.home, "down", "--name", cluster.name, timeout=300)
     deadline = time.monotonic() + 30
-    spared = reference_engine.process.pid  # the tests' own engine (conftest.py) runs on
-    while (left := leftover_processes(RAY_MARKERS, spare_group=spared)) and time.monotonic() < deadline:
+    while (left := cluster_processes(cluster.home, RAY_MARKERS)) and time.monotonic() < deadline:
         time.sleep(0.5)  # processes exit asynchronously after their group is signalled
-    assert left == []
+    assert left == {}
     assert not (cluster.home / f"{cluster.name}.json").exists()

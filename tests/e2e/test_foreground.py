@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.cluster import PDCLUSTER, cli, write_config
+from tests.support.cluster import PDCLUSTER, cli, require_clusters_lane, write_config
 from tests.support.engines import REPO
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +39,7 @@ def test_down_from_another_shell_ends_a_foreground_up_with_exit_0(tmp_path):
         roles={"aggregated": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 0}},
     )
     env = dict(os.environ, PDCLUSTER_HOME=str(tmp_path))
+    require_clusters_lane()
     proc = subprocess.Popen(
         [*PDCLUSTER, "up", str(config), "--foreground"],
         cwd=REPO,

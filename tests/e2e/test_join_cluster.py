@@ -10,13 +10,14 @@ import openai
 import pytest
 
 from pdcluster.orchestrator.session import free_port, process_group_alive, ray_command, stop_process_group
-from tests.support.cluster import cli, write_config
+from tests.support.cluster import cli, require_clusters_lane, write_config
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def external_head(tmp_path):
+    require_clusters_lane()
     port = free_port()
     proc = subprocess.Popen(
         [

@@ -52,10 +52,19 @@ def _merge(base: dict, extra: dict) -> None:
             base[key] = value
 
 
+def require_clusters_lane() -> None:
+    """Ray clusters start in the clusters lane only (tools/test_lanes.py): two Ray heads on one
+    machine at once are not what these tests are about."""
+    if os.environ.get("PDCLUSTER_TEST_LANE") == "engines":
+        raise AssertionError("this module starts a Ray cluster: add it to CLUSTER_MODULES in tools/test_lanes.py")
+
+
 def cli(
     home: Path, *args: str, timeout: float = 900, check: bool = True, host: Host | None = None
 ) -> subprocess.CompletedProcess:
     """`pdcluster ARGS` with its state in `home`; run inside test host `host` when given."""
+    if args[:1] == ("up",):
+        require_clusters_lane()
     env = dict(os.environ, PDCLUSTER_HOME=str(home), PYTHONPATH=str(REPO))
     argv = [*PDCLUSTER, *args] if host is None else host.command(*PDCLUSTER, *args)
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -114,22 +123,26 @@ def cluster_up(home: Path, config_path: Path, host: Host | None = None) -> Itera
         cli(home, "down", "--name", name, timeout=300, check=False, host=host)
 
 
-def leftover_processes(markers: tuple[str, ...], spare_group: int | None = None) -> list[str]:
-    """Command lines of live processes (not zombies) containing any marker, except those of
-    process group `spare_group`."""
-    found = []
+def cluster_processes(home: Path, markers: tuple[str, ...]) -> dict[int, str]:
+    """Pid -> command line of the live processes (not zombies) of the cluster whose state is in `home`
+    that contain any marker. A cluster's processes are told apart from every other one on the
+    machine (another test's cluster, the tests' own engines) by the PDCLUSTER_HOME they inherit
+    from the `up` that started Ray."""
+    found, tag = {}, f"PDCLUSTER_HOME={home}".encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                state, _ppid, group = f.read().split(") ", 1)[1].split()[:3]
-            if state == "Z" or (spare_group is not None and int(group) == spare_group):
-                continue
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if tag not in f.read().split(b"\0"):
+                    continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        except (FileNotFoundError, ProcessLookupError, IndexError, PermissionError):
             continue
         if any(m in cmdline for m in markers):
-            found.append(f"{pid}: {cmdline[:200]}")
+            found[int(pid)] = cmdline[:200]
     return found

@@ -14,6 +14,7 @@ multinode-netns.md has what was measured on this kernel (no netem; nftables and 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -138,9 +140,35 @@ class Host:
 
 
 @contextlib.contextmanager
-def make_hosts(count: int, group: int = 0) -> Iterator[list[Host]]:
-    """`count` hosts at 198.18.<group>.11, .12, ... on a fresh bridge; all removed on exit."""
+def _free_group() -> Iterator[int]:
+    """The lowest subnet group (198.18.<group>.0/24) no other make_hosts on this machine holds
+    (test lanes run at once, tools/test_lanes.sh); held, by an flock, until the hosts are gone."""
+    for group in range(256):
+        path = Path(tempfile.gettempdir()) / f"pdcluster-test-hosts-{group}.lock"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield group
+        finally:
+            os.close(fd)  # releases the lock
+        return
+    raise RuntimeError("all 256 test host subnets (198.18.0-255.0/24) are held")
+
+
+@contextlib.contextmanager
+def make_hosts(count: int) -> Iterator[list[Host]]:
+    """`count` hosts at 198.18.<group>.11, .12, ... (a group free on this machine) on a fresh
+    bridge; all removed on exit."""
     require_root()
+    with _free_group() as group:
+        yield from _make_hosts(count, group)
+
+
+def _make_hosts(count: int, group: int) -> Iterator[list[Host]]:
     tag = secrets.token_hex(2)
     bridge = f"pdbr{tag}"
     made_links: list[str] = []

@@ -1,0 +1,73 @@
+"""Run the whole test suite as two pytest sessions at once (what `make test` runs).
+
+Run one after the other, the suite leaves most of this 2-core machine idle: an engine start is
+one core importing Python for ~20 s, and fault tests wait out leases and timeouts. So it runs
+as two lanes, each one pytest session:
+  clusters  every module that runs `pdcluster up` (tests/support/cluster.cluster_up): real Ray
+            clusters, one at a time, never two Ray heads on one machine at once
+  engines   everything else: the unit tests and the modules that start engines directly
+A module not named in CLUSTER_MODULES runs in the engines lane; one that starts a cluster there
+is refused with that reason (tests/support/cluster.py checks PDCLUSTER_TEST_LANE). Test hosts
+(network namespaces) take a subnet no other lane holds (tests/support/hosts.py).
+
+The clusters lane prints as it runs; the engines lane's output follows when it is done. The
+exit status is the first non-zero one (pytest's 5, no tests collected, counts as a failure).
+Arguments are passed to both pytest sessions (e.g. `-x`, `-k name`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_MODULES = [
+    "tests/e2e/test_cluster.py",
+    "tests/e2e/test_foreground.py",
+    "tests/e2e/test_join_cluster.py",
+    "tests/e2e/test_kv_faults.py",
+    "tests/e2e/test_multinode.py",
+    "tests/e2e/test_planner.py",
+    "tests/e2e/test_reliability.py",
+    "tests/e2e/test_routing.py",
+]
+
+
+def lanes(extra: list[str]) -> dict[str, list[str]]:
+    missing = [m for m in CLUSTER_MODULES if not (REPO / m).exists()]
+    if missing:
+        raise SystemExit(f"test_lanes: no such module {missing[0]} (CLUSTER_MODULES in {__file__})")
+    ignored = [f"--ignore={m}" for m in CLUSTER_MODULES]
+    return {"clusters": [*CLUSTER_MODULES, *extra], "engines": ["tests", *ignored, *extra]}
+
+
+def main(argv: list[str]) -> int:
+    base = Path(tempfile.gettempdir()) / "pdcluster-tests"
+    procs: dict[str, subprocess.Popen] = {}
+    logs = {}
+    for lane, args in lanes(argv).items():
+        env = dict(os.environ, PDCLUSTER_TEST_LANE=lane)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={base / lane}", *args]
+        if lane == "clusters":
+            out = None  # inherits this terminal: printed as it runs
+        else:
+            logs[lane] = out = tempfile.TemporaryFile()
+        procs[lane] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    codes = {lane: proc.wait() for lane, proc in procs.items()}
+    for lane, log in logs.items():
+        log.seek(0)
+        sys.stdout.write(f"\n===== {lane} lane =====\n")
+        sys.stdout.flush()
+        sys.stdout.buffer.write(log.read())
+        sys.stdout.flush()
+    for lane, code in codes.items():
+        verdict = {0: "passed", 5: "collected no tests: failing"}.get(code, f"failed (exit {code})")
+        sys.stdout.write(f"{lane} lane: {verdict}\n")
+    return next((1 if code == 5 else code for code in codes.values() if code != 0), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
