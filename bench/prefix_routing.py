@@ -48,7 +48,7 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from bench.serve import bench_serve  # noqa: E402
-from bench.serve import summarize as summarize_serve  # noqa: E402
+from bench.serve_report import summarize as summarize_serve  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size
 PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN = 1536, 128, 16
