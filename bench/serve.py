@@ -44,6 +44,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
+    GOODPUT,
     MODEL,
     ROOT,
     base_config,
@@ -139,6 +140,8 @@ def bench_serve(
         "ttft,tpot,itl,e2el",
         "--metric-percentiles",
         "50,99",
+        "--goodput",
+        *(f"{metric}:{bound}" for metric, bound in GOODPUT.items()),
         "--save-result",
         "--save-detailed",
         "--result-dir",

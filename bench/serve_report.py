@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, machine, write_results
+from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, write_results
 
 
 def summarize(result: dict) -> dict:
@@ -84,6 +84,30 @@ def plot(samples: dict, workload: str, path: Path) -> None:
     plt.close(fig)
 
 
+def attainment_table(raw: dict, workload: str, stream: str) -> list[str]:
+    """Per setup, the share of the stream's requests meeting each SLO pair (TTFT and largest
+    inter-token gap, bench/common.py SLOS), and `vllm bench serve`'s own goodput where it ran
+    with --goodput (requests/s meeting GOODPUT)."""
+    keys = [f"ttft<={t}ms,gap<={s}ms" for t, s in SLOS]
+    goodput = ", ".join(f"{k} ≤ {v} ms" for k, v in GOODPUT.items())
+    lines = [
+        "",
+        f"SLO attainment of the `{stream}` stream (share of its requests with TTFT ≤ T and no gap > S; "
+        f"goodput: requests/s with {goodput}):",
+        "",
+        "| setup | " + " | ".join(f"T {t} / S {s} ms" for t, s in SLOS) + " | goodput req/s |",
+        "|---|" + "---:|" * (len(SLOS) + 1),
+    ]
+    for setup, per in raw.items():
+        result = per.get(workload, {}).get("results", {}).get(stream)
+        if result is None:
+            continue
+        shares = attainment(result)
+        cells = " | ".join(f"{shares[k]:.2f}" for k in keys)
+        lines.append(f"| {setup} | {cells} | {fmt(result.get('request_goodput'))} |")
+    return lines
+
+
 def report(raw: dict, notes: dict, workloads: dict, args, engine_args: dict, max_model_len: int) -> None:
     date = time.strftime("%Y-%m-%d")
     lines = [
@@ -127,6 +151,7 @@ def report(raw: dict, notes: dict, workloads: dict, args, engine_args: dict, max
                 if stream == workload["itl_stream"]:
                     itls += pooled_itls(result)
             samples[setup] = (ttfts, itls)
+        lines += attainment_table(raw, name, workload["itl_stream"])
         shapes = {setup: tail_shape(itls) for setup, (_, itls) in samples.items() if itls}
         if shapes:
             lines += [
