@@ -208,7 +208,7 @@ class RouterSection(_Model):
     host: str = Field("127.0.0.1", description="Address the OpenAI-compatible endpoint binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the endpoint.")
     policy: Literal["least_loaded", "round_robin", "cache_aware"] = Field(
-        "least_loaded",
+        "cache_aware",
         description="Replica choice: least outstanding work, round robin, or cache_aware (least work counting "
         "what each replica's KV cache already holds of the prompt, from the engines' KV cache events).",
     )

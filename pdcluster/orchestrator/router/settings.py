@@ -12,7 +12,7 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 class RouterSettings:
     model_name: str
     mode: str = "disaggregated"
-    policy: str = "least_loaded"
+    policy: str = "cache_aware"
     api_keys: list[str] = field(default_factory=list)
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 << 20
