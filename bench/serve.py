@@ -262,12 +262,23 @@ WORKLOADS = {
 }
 
 
+SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
+
+
+def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[str]:
+    """One of SETUPS, started on this machine's 2 cores; its endpoint while the context lasts."""
+    if setup == "vllm-pd":
+        return vllm_pd_setup(workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache)
+    mode = "aggregated" if setup == "aggregated" else "disaggregated"
+    return pdcluster_setup(f"bench-{setup}", mode, workdir, first_token_from_prefill=setup != "pd-classic")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--setups",
         nargs="+",
-        default=["pd", "aggregated", "vllm-pd", "pd-classic"],
+        default=list(SETUPS),
         help="pd-classic: pdcluster P/D with router.first_token_from_prefill off (decode samples the first token)",
     )
     parser.add_argument("--workloads", nargs="+", default=["steady", "interference", "light"])
@@ -284,18 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdcluster-serve-") as tmp:
         workdir = Path(tmp)
         for setup in args.setups:
-            starter = {
-                "pd": lambda: pdcluster_setup("bench-pd", "disaggregated", workdir),
-                "aggregated": lambda: pdcluster_setup("bench-agg", "aggregated", workdir),
-                "pd-classic": lambda: pdcluster_setup(
-                    "bench-pd-classic", "disaggregated", workdir, first_token_from_prefill=False
-                ),
-                "vllm-pd": lambda: vllm_pd_setup(
-                    workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache
-                ),
-            }[setup]
             try:
-                with starter() as endpoint:
+                with start_setup(setup, workdir) as endpoint:
                     for name, workload in workloads.items():
                         before, cpu_before, t0 = scrape(endpoint), cpu_snapshot(), time.monotonic()
                         results = run_workload(endpoint, workload, workdir, f"{setup}-{name}")
