@@ -46,6 +46,7 @@ def lanes(extra: list[str]) -> dict[str, list[str]]:
 
 def main(argv: list[str]) -> int:
     base = Path(tempfile.gettempdir()) / "pdcluster-tests"
+    base.mkdir(mode=0o700, exist_ok=True)  # pytest makes each lane's --basetemp, not its parent
     procs: dict[str, subprocess.Popen] = {}
     logs = {}
     for lane, args in lanes(argv).items():
