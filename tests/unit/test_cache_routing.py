@@ -1,6 +1,6 @@
 """Cache-aware routing (policies.CacheAware) and conditional disaggregation (handoff._route):
 the choice by what each replica holds, weighed against load, and the local-prefill path, against
-stand-in replicas on real sockets. With live engines: tests/e2e/test_cache_aware.py."""
+stand-in replicas on real sockets. With live engines: tests/e2e/test_kv_events.py, test_routing.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
+from pdcluster import compat
 from pdcluster.orchestrator.policies import CacheAware, ReplicaLoad
 from pdcluster.orchestrator.router import Router, RouterSettings
-from pdcluster.orchestrator.router.cache_index import Prompt
+from pdcluster.orchestrator.router.cache_index import HISTORY_ONLY, CacheIndex, Prompt, history_hashes
 from tests.unit.replica_stand_ins import ENGINE_TOKEN, StandIn, decode_answer, post, prefill_answer, row, running
 
 
@@ -127,3 +128,26 @@ def test_without_events_a_repeated_prompt_follows_the_routers_history(stream):
     assert {r["source"] for r in summary.values()} == {"history"}
     # 6 blocks of 16 tokens per prompt: one prompt on each prefill replica, both on decode
     assert [summary[r]["history"] for r in ("prefill-0", "prefill-1", "decode-0")] == [6, 6, 12]
+
+
+def test_history_alone_imports_no_vllm_hasher_and_an_engine_snapshot_brings_vllms():
+    """Replicas without events (HISTORY_ONLY) are matched by the router's own chained hashes: no
+    vLLM import on the router's loop (it stalled every request for seconds). The first engine
+    snapshot swaps in vLLM's hasher, even under the same algorithm name."""
+
+    async def scenario():
+        index = CacheIndex()
+        index._learn(HISTORY_ONLY, provisional=True)
+        assert index._hasher is history_hashes and index.hashing == "history"
+        index._learn({"block_size": 128, "hash_algo": "sha256"})  # an engine's snapshot
+        assert index._hasher is None and index._hasher_loading is not None
+        await index._hasher_loading
+        return index
+
+    index = asyncio.run(scenario())
+    assert index.block_size == 128 and index.hashing == "sha256" and index._hasher not in (None, history_hashes)
+    engine = list(range(300, 300 + 3 * 128))
+    assert index._hasher(engine, 128) == compat.block_hasher("sha256")(engine, 128)
+    prompt = list(range(100, 180))
+    assert history_hashes(prompt, 16) == history_hashes(prompt + [7, 8, 9], 16)[:5]
+    assert len(set(history_hashes(prompt, 16))) == 5 and history_hashes(prompt[:15], 16) == []

@@ -19,8 +19,10 @@ recomputes a hit's last block for its drafter (MTP, EAGLE).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,7 +39,18 @@ STALE_S = 5 * HEARTBEAT_S  # a stream silent this long is reopened
 RETRY_S = (0.2, 5.0)  # reconnect pause: first, longest (doubling)
 INLINE_HASH_TOKENS = 4096  # longer prompts are hashed off the event loop
 # Hashing for history when no replica publishes events: vLLM's default block size and algorithm.
-HISTORY_ONLY = {"block_size": 16, "hash_algo": "sha256"}
+HISTORY_ONLY = {"block_size": 16, "hash_algo": "history"}  # no engine's: history_hashes below
+
+
+def history_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks for matching the router's own request history
+    (while no replica publishes events): only compared with each other, so any stable chained
+    hash serves, and vLLM's (which costs a vLLM import) is not needed."""
+    hashes, parent = [], b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashlib.sha256(parent + array("q", token_ids[start : start + block_size]).tobytes()).digest()
+        hashes.append(int.from_bytes(parent[:8], "little"))
+    return hashes
 
 
 @dataclass
@@ -212,12 +225,13 @@ class CacheIndex:
         compat.block_hasher) loads in a thread: importing vLLM takes seconds."""
         if self.hash_algo and (provisional or not self._provisional):
             return
-        algo = str(snapshot["hash_algo"])
         self._provisional = provisional
         self.block_size = int(snapshot["block_size"])
-        if algo != self.hash_algo:
-            self.hash_algo, self._hasher = algo, None
-            self._hasher_loading = asyncio.get_running_loop().run_in_executor(None, self._load_hasher)
+        if provisional:  # no engine's hashes to equal: no vLLM import for history alone
+            self.hash_algo, self._hasher = str(snapshot["hash_algo"]), history_hashes
+            return
+        self.hash_algo, self._hasher = str(snapshot["hash_algo"]), None
+        self._hasher_loading = asyncio.get_running_loop().run_in_executor(None, self._load_hasher)
 
     def _load_hasher(self) -> None:
         from pdcluster import compat
