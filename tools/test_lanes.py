@@ -3,12 +3,15 @@
 Run one after the other, the suite leaves most of this 2-core machine idle: an engine start is
 one core importing Python for ~20 s, and fault tests wait out leases and timeouts. So it runs
 as two lanes, each one pytest session:
-  clusters  every module that runs `pdcluster up` (tests/support/cluster.cluster_up): real Ray
-            clusters, one at a time, never two Ray heads on one machine at once
-  engines   everything else: the unit tests and the modules that start engines directly
-A module not named in CLUSTER_MODULES runs in the engines lane; one that starts a cluster there
-is refused with that reason (tests/support/cluster.py checks PDCLUSTER_TEST_LANE). Test hosts
-(network namespaces) take a subnet no other lane holds (tests/support/hosts.py).
+  clusters  every module that runs `pdcluster up` on this machine's own network
+            (tests/support/cluster.cluster_up): real Ray clusters, one at a time, never two Ray
+            heads on one network at once
+  engines   everything else: the unit tests, the modules that start engines directly, and
+            test_multinode, whose Ray nodes run on test hosts (network namespaces, each with its
+            own network and Ray state directory; tests/support/hosts.py)
+A module not named in CLUSTER_MODULES runs in the engines lane; one that starts a cluster on
+this machine's network there is refused with that reason (tests/support/cluster.py checks
+PDCLUSTER_TEST_LANE). Test hosts take a subnet no other lane holds.
 
 The clusters lane prints as it runs; the engines lane's output follows when it is done. The
 exit status is the first non-zero one (pytest's 5, no tests collected, counts as a failure).
@@ -29,7 +32,6 @@ CLUSTER_MODULES = [
     "tests/e2e/test_foreground.py",
     "tests/e2e/test_join_cluster.py",
     "tests/e2e/test_kv_faults.py",
-    "tests/e2e/test_multinode.py",
     "tests/e2e/test_planner.py",
     "tests/e2e/test_reliability.py",
     "tests/e2e/test_routing.py",
