@@ -39,6 +39,9 @@ NAME = "tiny"
 SECRET = PD_SECRET
 ENGINE_HEADERS = {"Authorization": f"Bearer {engine_http_token(SECRET)}"}  # what the router sends engines
 LEASE_S = PD_LEASE_S
+# Tokens of each stream the decode kill interrupts: seconds of decoding on these 2 cores, so the
+# victim is still streaming when it is killed (it is killed as soon as it reports a request).
+LONG_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +147,7 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
         body = {
             "model": NAME,
             "prompt": heldout_prompts()[i],
-            "max_tokens": 3500,
+            "max_tokens": LONG_TOKENS,
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
@@ -171,7 +174,7 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
     # Six long streams alternate between the two decode replicas (least loaded). The victim is
     # crashed as soon as its engine reports a running request (asked of the engine itself: the
     # router may relay far behind the engine on 2 busy cores, and a stream that was generated in
-    # full before the kill is rightly delivered in full). 3500 tokens each: none is done by
+    # full before the kill is rightly delivered in full). LONG_TOKENS each: none is done by
     # then. Streams it was serving continue on the survivor from the tokens already sent
     # (migration); requests that had not begun streaming on it are prefilled again.
     victim_url = next(r["url"] for r in status["replicas"] if r["replica"] == victim)
@@ -190,7 +193,7 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
     assert engine_processes
     _, orphans = psutil.wait_procs(engine_processes, timeout=60)
     assert not orphans, [(p.pid, p.name()) for p in orphans]
-    # Every stream completed in full (all 3500 tokens, finish_reason=length), without an error
+    # Every stream completed in full (all LONG_TOKENS, finish_reason=length), without an error
     # event: none was cut, none truncated, none hung; and the crash did move (or reroute) at
     # least one request.
     assert len(outcomes) == 6
@@ -201,7 +204,13 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
     # A stream the victim served (migrated mid-stream, or generated in full before the crash) is
     # token for token what an undisturbed run of its request gives (float32: greedy is exact).
     _, _, _, text, i = next(o for o in outcomes if o[0] == victim)
-    body = {"model": NAME, "prompt": heldout_prompts()[i], "max_tokens": 3500, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": NAME,
+        "prompt": heldout_prompts()[i],
+        "max_tokens": LONG_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     undisturbed = httpx.post(cluster.endpoint + "/v1/completions", json=body, timeout=300).json()
     assert text == undisturbed["choices"][0]["text"]
     # New requests are served by the survivor while the replacement starts.

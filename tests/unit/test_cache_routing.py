@@ -140,8 +140,8 @@ def test_history_alone_imports_no_vllm_hasher_and_an_engine_snapshot_brings_vllm
         index._learn(HISTORY_ONLY, provisional=True)
         assert index._hasher is history_hashes and index.hashing == "history"
         index._learn({"block_size": 128, "hash_algo": "sha256"})  # an engine's snapshot
-        assert index._hasher is None and index._hasher_loading is not None
-        await index._hasher_loading
+        assert index._hasher is not history_hashes and index._hasher_loading is not None
+        await index._hasher_loading  # in a thread; done at once where vLLM is imported already
         return index
 
     index = asyncio.run(scenario())
