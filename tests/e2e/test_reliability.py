@@ -143,15 +143,17 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
     outcomes: list[tuple[str, str, int, str, int]] = []
     lock = threading.Lock()
 
-    def long_stream(i):
-        body = {
+    def long_request(i: int) -> dict:
+        return {
             "model": NAME,
             "prompt": heldout_prompts()[i],
             "max_tokens": LONG_TOKENS,
             "temperature": 0,
-            "stream": True,
             "ignore_eos": True,
         }
+
+    def long_stream(i):
+        body = {**long_request(i), "stream": True}
         outcome, lines, finish, text = "incomplete", 0, None, []
         with (
             httpx.Client(base_url=cluster.endpoint, timeout=300) as http,
@@ -204,14 +206,7 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
     # A stream the victim served (migrated mid-stream, or generated in full before the crash) is
     # token for token what an undisturbed run of its request gives (float32: greedy is exact).
     _, _, _, text, i = next(o for o in outcomes if o[0] == victim)
-    body = {
-        "model": NAME,
-        "prompt": heldout_prompts()[i],
-        "max_tokens": LONG_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    undisturbed = httpx.post(cluster.endpoint + "/v1/completions", json=body, timeout=300).json()
+    undisturbed = httpx.post(cluster.endpoint + "/v1/completions", json=long_request(i), timeout=300).json()
     assert text == undisturbed["choices"][0]["text"]
     # New requests are served by the survivor while the replacement starts.
     assert all(stream_text(client, p, 8) for p in heldout_prompts()[10:14])
