@@ -62,7 +62,9 @@ KV_GIB = 2
 
 
 @contextlib.contextmanager
-def pdcluster_setup(name: str, mode: str, workdir: Path, first_token_from_prefill: bool = True) -> Iterator[str]:
+def pdcluster_setup(
+    name: str, mode: str, workdir: Path, first_token_from_prefill: bool = True, policy: str | None = None
+) -> Iterator[str]:
     roles = {
         "prefill": {
             "replicas": 1 if mode == "disaggregated" else 0,
@@ -89,7 +91,7 @@ def pdcluster_setup(name: str, mode: str, workdir: Path, first_token_from_prefil
         roles=roles,
         speculative=None,
         model={"max_model_len": MAX_MODEL_LEN},
-        router={"first_token_from_prefill": first_token_from_prefill},
+        router={"first_token_from_prefill": first_token_from_prefill, **({"policy": policy} if policy else {})},
     )
     with cluster(config, workdir) as endpoint:
         yield endpoint
@@ -263,14 +265,19 @@ WORKLOADS = {
 
 
 SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
+# Diagnostic setups, run only when named: pd routed by least_loaded instead of the default
+# cache_aware (what the engines' KV events cost the streams).
+DIAGNOSTIC_SETUPS = ("pd-least-loaded",)
 
 
 def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[str]:
-    """One of SETUPS, started on this machine's 2 cores; its endpoint while the context lasts."""
+    """One of SETUPS or DIAGNOSTIC_SETUPS, started on this machine's 2 cores; its endpoint while
+    the context lasts."""
     if setup == "vllm-pd":
         return vllm_pd_setup(workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache)
     mode = "aggregated" if setup == "aggregated" else "disaggregated"
-    return pdcluster_setup(f"bench-{setup}", mode, workdir, first_token_from_prefill=setup != "pd-classic")
+    policy = "least_loaded" if setup == "pd-least-loaded" else None
+    return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "--setups",
         nargs="+",
         default=list(SETUPS),
+        choices=[*SETUPS, *DIAGNOSTIC_SETUPS],
         help="pd-classic: pdcluster P/D with router.first_token_from_prefill off (decode samples the first token)",
     )
     parser.add_argument("--workloads", nargs="+", default=["steady", "interference", "light"])

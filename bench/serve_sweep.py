@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, write_results  # noqa: E402
-from bench.serve import SETUPS, WORKLOADS, cpu_profile, cpu_snapshot, run_workload, start_setup  # noqa: E402
+from bench.serve import DIAGNOSTIC_SETUPS, SETUPS, WORKLOADS, cpu_profile, cpu_snapshot, run_workload, start_setup  # noqa: E402
 
 SCALES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
 ATTAINED = 0.9  # "meets the SLO" at a rate: this share of requests within the first SLO pair
@@ -77,7 +77,7 @@ def slo_key(pair: tuple[int, int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=[*SETUPS, *DIAGNOSTIC_SETUPS])
     parser.add_argument("--workloads", nargs="+", default=["interference", "steady"], choices=list(WORKLOADS))
     parser.add_argument("--scales", nargs="+", type=float, default=list(SCALES))
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
