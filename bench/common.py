@@ -202,6 +202,11 @@ SLOS = ((200, 100), (1000, 50), (1000, 100))
 GOODPUT = {"ttft": 200, "tpot": 50}
 
 
+def slo_key(pair: tuple[int, int]) -> str:
+    """How attainment() names an SLO pair (T, S) in its result."""
+    return f"ttft<={pair[0]}ms,gap<={pair[1]}ms"
+
+
 def attainment(detailed: dict) -> dict[str, float]:
     """Per SLO pair, the share of requests meeting both bounds, from `vllm bench serve
     --save-detailed` output (per-request `ttfts` and `itls`, seconds; a failed request has no
@@ -215,7 +220,7 @@ def attainment(detailed: dict) -> dict[str, float]:
             for ttft, gaps, error in zip(ttfts, itls, errors)
             if not error and ttft and ttft * 1e3 <= t_ms and max(gaps, default=0.0) * 1e3 <= s_ms
         )
-        out[f"ttft<={t_ms}ms,gap<={s_ms}ms"] = met / len(ttfts) if ttfts else 0.0
+        out[slo_key((t_ms, s_ms))] = met / len(ttfts) if ttfts else 0.0
     return out
 
 

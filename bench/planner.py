@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import SLOS, attainment, base_config, cluster, machine, status, write_results  # noqa: E402
+from bench.common import SLOS, attainment, base_config, cluster, machine, slo_key, status, write_results  # noqa: E402
 from bench.serve import bench_serve, random_dataset  # noqa: E402
 
 PHASES = {
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(raw: dict, wall_s: float) -> None:
-    keys = [f"ttft<={t}ms,gap<={s}ms" for t, s in SLOS]
+    keys = [slo_key(pair) for pair in SLOS]
     lines = [
         "# SLO planner vs fixed splits: a load shifting from prompt-heavy to decode-heavy",
         "",

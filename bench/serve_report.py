@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, write_results
+from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, slo_key, write_results
 
 
 def summarize(result: dict) -> dict:
@@ -88,7 +88,7 @@ def attainment_table(raw: dict, workload: str, stream: str) -> list[str]:
     """Per setup, the share of the stream's requests meeting each SLO pair (TTFT and largest
     inter-token gap, bench/common.py SLOS), and `vllm bench serve`'s own goodput where it ran
     with --goodput (requests/s meeting GOODPUT)."""
-    keys = [f"ttft<={t}ms,gap<={s}ms" for t, s in SLOS]
+    keys = [slo_key(pair) for pair in SLOS]
     goodput = ", ".join(f"{k} ≤ {v} ms" for k, v in GOODPUT.items())
     lines = [
         "",

@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, write_results  # noqa: E402
+from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, slo_key, write_results  # noqa: E402
 from bench.serve import DIAGNOSTIC_SETUPS, SETUPS, WORKLOADS, cpu_profile, cpu_snapshot, run_workload, start_setup  # noqa: E402
+from bench.serve_report import summarize  # noqa: E402
 
 SCALES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
 ATTAINED = 0.9  # "meets the SLO" at a rate: this share of requests within the first SLO pair
@@ -55,7 +56,7 @@ def point(results: dict, workload: dict, cpu: dict) -> dict:
         "offered_rps": offered(workload),
         "attainment": attainment(decode_side),
         "goodput_rps": decode_side.get("request_goodput"),
-        "failed": sum(len([e for e in r.get("errors", []) if e]) for r in results.values()),
+        "failed": sum(summarize(r)["failed"] for r in results.values()),
         "client_cpu_share": cpu["cpu_s"].get(CLIENT, 0.0) / total_cpu,
     }
 
@@ -69,10 +70,6 @@ def highest_attained(points: list[dict]) -> float | None:
             break
         best = p["offered_rps"]
     return best
-
-
-def slo_key(pair: tuple[int, int]) -> str:
-    return f"ttft<={pair[0]}ms,gap<={pair[1]}ms"
 
 
 def main(argv: list[str] | None = None) -> int:
