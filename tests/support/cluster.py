@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from tests.support.engines import MODEL, REPO
-from tests.support.hosts import Host
+from tests.support.hosts import Host, live_processes
 
 PDCLUSTER = [sys.executable, "-m", "pdcluster.cli"]
 TEST_DTYPE = "float32"
@@ -129,21 +129,15 @@ def cluster_processes(home: Path, markers: tuple[str, ...]) -> dict[int, str]:
     that contain any marker. A cluster's processes are told apart from every other one on the
     machine (another test's cluster, the tests' own engines) by the PDCLUSTER_HOME they inherit
     from the `up` that started Ray."""
-    found, tag = {}, f"PDCLUSTER_HOME={home}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ", 1)[1].startswith("Z"):
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if tag not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, IndexError, PermissionError):
-            continue
+    tag = f"PDCLUSTER_HOME={home}".encode()
+
+    def of_this_cluster(pid: int) -> bool:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return tag in f.read().split(b"\0")
+
+    found = {}
+    for pid, raw in live_processes(of_this_cluster):
+        cmdline = raw.replace(b"\0", b" ").decode(errors="replace")
         if any(m in cmdline for m in markers):
-            found[int(pid)] = cmdline[:200]
+            found[pid] = cmdline[:200]
     return found

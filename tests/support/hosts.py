@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,26 +110,12 @@ class Host:
     def pids(self, marker: str) -> list[int]:
         """Pids (as this machine sees them) of the host's live processes whose command line
         contains `marker`."""
-        found = []
         namespace = os.readlink(f"/proc/{self.init_pid}/ns/pid")
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            pid = int(entry)
-            try:
-                if os.readlink(f"/proc/{pid}/ns/pid") != namespace:
-                    continue
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().split(") ", 1)[1].startswith("Z"):
-                        continue
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(pid)
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue  # exited meanwhile
-            except PermissionError:
-                continue  # not ours to inspect (a container's own processes): not the host's
-        return found
+        return [
+            pid
+            for pid, cmdline in live_processes(lambda pid: os.readlink(f"/proc/{pid}/ns/pid") == namespace)
+            if marker.encode() in cmdline
+        ]
 
     def alive(self) -> bool:
         try:
@@ -137,6 +123,27 @@ class Host:
                 return f.read().split(") ", 1)[1][0] != "Z"
         except (FileNotFoundError, IndexError):
             return False
+
+
+def live_processes(belongs: Callable[[int], bool]) -> Iterator[tuple[int, bytes]]:
+    """(pid, raw command line) of this machine's live processes (not zombies, not this one) that
+    `belongs(pid)` accepts; processes that exit meanwhile, or are not ours to inspect (a
+    container's own), are passed over."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        try:
+            if not belongs(pid):
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (FileNotFoundError, ProcessLookupError, IndexError, PermissionError):
+            continue
+        yield pid, cmdline
 
 
 @contextlib.contextmanager
