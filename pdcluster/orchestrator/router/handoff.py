@@ -59,37 +59,18 @@ from pdcluster.orchestrator.router.relay import (
     TokenClock,
     closing,
     error_event,
-    error_outcome,
     has_token,
     mid_stream_error,
     relay_events,
 )
 from pdcluster.orchestrator.router.requests import error_response
 from pdcluster.orchestrator.router.settings import ENDPOINTS, RouterSettings
-from pdcluster.orchestrator.router.upstream import (
-    PhaseFailed,
-    ReachedThenFailed,
-    post,
-)
+from pdcluster.orchestrator.router.upstream import PhaseFailed, ReachedThenFailed, outcome_for, post
 
 logger = logging.getLogger(__name__)
 
 # Fields of the client's request that the prefill (one token, not streamed) must not get.
 PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo")
-
-
-def outcome_for(status: int, content: bytes = b"") -> str:
-    """The `pdcluster_requests_total` outcome of a replica's HTTP answer (its JSON body tells a
-    failed KV pull, which the decode engine names itself, from other errors)."""
-    if status == 200:
-        return "ok"
-    if status < 500:
-        return "client_error"
-    try:
-        error = json.loads(content).get("error") if content else None
-    except (ValueError, AttributeError):
-        error = None
-    return error_outcome(error)
 
 
 @dataclass(eq=False)
@@ -359,11 +340,7 @@ class PhaseRunner:
         """A decode stream that may migrate mid-stream gets its progress tracked (migration.py)."""
         if not (self.settings.disaggregated and self.settings.migration_limit > 0):
             return None
-        if not migration.resumable(h.body, h.kind, self.settings.generation_defaults):
-            return None
-        if h.first is not None:
-            return migration.Progress.after_first_token(h.first)
-        return migration.Progress(restartable=h.params is None)
+        return migration.progress_for(h.body, h.kind, self.settings.generation_defaults, h.first, h.params is None)
 
     async def _relayed(
         self,

@@ -37,6 +37,18 @@ def resumable(body: dict[str, Any], kind: str, defaults: dict[str, Any]) -> bool
     )
 
 
+def progress_for(
+    body: dict[str, Any], kind: str, defaults: dict[str, Any], first: continuation.FirstToken | None, restartable: bool
+) -> Progress | None:
+    """The progress to track of a decode stream (None: it cannot migrate): after the prefill's
+    first token when there is one; `restartable` when decode computes the request alone."""
+    if not resumable(body, kind, defaults):
+        return None
+    if first is not None:
+        return Progress.after_first_token(first)
+    return Progress(restartable=restartable)
+
+
 @dataclass
 class Progress:
     """What of one stream the client already has."""

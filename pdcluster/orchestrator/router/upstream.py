@@ -3,12 +3,14 @@ by what they mean for a retry (handoff.py decides what to do)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 import httpx
 
 from pdcluster.orchestrator.policies import ReplicaLoad
+from pdcluster.orchestrator.router.relay import error_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +63,17 @@ async def post(
         failure = ReachedThenFailed(replica, exc)
     logger.warning("%s", failure)
     raise failure from failure.cause
+
+
+def outcome_for(status: int, content: bytes = b"") -> str:
+    """The `pdcluster_requests_total` outcome of a replica's HTTP answer (its JSON body tells a
+    failed KV pull, which the decode engine names itself, from other errors)."""
+    if status == 200:
+        return "ok"
+    if status < 500:
+        return "client_error"
+    try:
+        error = json.loads(content).get("error") if content else None
+    except (ValueError, AttributeError):
+        error = None
+    return error_outcome(error)
