@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 CLUSTER_MODULES = [
     "tests/e2e/test_cluster.py",
     "tests/e2e/test_foreground.py",
-    "tests/e2e/test_join_cluster.py",
     "tests/e2e/test_kv_faults.py",
     "tests/e2e/test_planner.py",
     "tests/e2e/test_reliability.py",

@@ -6,7 +6,8 @@ covered with a near-tie tolerance in test_bf16_identity.py): the aggregated refe
 collective), and decode (consumer) engines: a healthy one forced to grpc (the full matrix runs
 there), one whose every pull fails (injected; recompute policy), one whose KV layout does not
 match (block size 64 vs 128; fail policy), and one each for the faster backends: auto (which
-picks shm on this one node), collective (gloo) and mooncake (Mooncake's transfer engine over TCP). The test drives them over HTTP exactly as the
+picks shm on this one node), collective (gloo) and mooncake (Mooncake's transfer engine over TCP;
+one request at a time, so a second one queues: lease renewal). The test drives them over HTTP exactly as the
 router does: prefill with max_tokens=1 and do_remote_decode, then decode with the returned params.
 """
 
@@ -69,11 +70,10 @@ def engines(tmp_path_factory, reference_engine):
         # vLLM's own CPU layout (a worker process holds the model); the others run single-process
         spec("decode-shm", "decode", "1", secret, kv={"backend": "auto"}, single_process=False),
         spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
-        spec("decode-mooncake", "decode", "1", secret, kv={"backend": "mooncake"}),
+        # one request at a time: a second one queues (lease renewal)
+        spec("decode-mooncake", "decode", "1", secret, kv={"backend": "mooncake"}, max_num_seqs=1),
         spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
         spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
-        # one request at a time: a second one queues (lease renewal)
-        spec("decode-narrow", "decode", "1", secret, max_num_seqs=1),
     ]
     with run_engines(specs, tmp) as running:
         yield {"agg": reference_engine, **running}
@@ -247,7 +247,7 @@ def test_a_lease_outlives_a_long_queue_at_decode(engines):
     for longer than the prefill's lease: its renewals keep the lease, so the pull succeeds
     (nothing expires, nothing is recomputed). The busy work grows until the queue outlasts the
     lease on this machine."""
-    narrow, prefill = engines["decode-narrow"], engines["prefill"]
+    narrow, prefill = engines["decode-mooncake"], engines["prefill"]
     busy_requests = 2
     for _ in range(4):
         before_p, before_d = info(prefill)["stats"], info(narrow)["stats"]

@@ -2,7 +2,8 @@
 hostname, IPC, /dev/shm and PID namespace, tests/support/hosts.py): the Ray head with the router
 and controller on host 1, prefill on host 2, decode on host 3, placed by node labels, KV crossing
 the (virtual) network through Mooncake's transfer engine. Then the network between prefill and decode turns bad (loss, a partition,
-delay), decode scales onto a fourth host, and host 3's Ray node is lost.
+delay), decode scales onto a fourth host, host 3's Ray node is lost, and `down` leaves the Ray
+cluster it joined running.
 
 One cluster for the module (the tests run in order and build on each other), float32 so that
 greedy identity with one aggregated engine is exact (tests/support/identity.py).
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -249,3 +252,22 @@ def test_losing_a_hosts_ray_node_restarts_its_replica_on_another_host(cluster, h
         assert time.monotonic() < deadline, f"engine processes outlived their node: {orphans}"
         time.sleep(0.5)  # poll interval
     assert greedy_all(cluster, PROMPTS[IDENTITY])  # serving on the hosts that are left
+
+
+# What pdcluster's actors run as (Ray titles a worker process by its actor's class).
+ACTORS = ("ray::Controller", "ray::RouterActor", "ray::PrefillWorker", "ray::DecodeWorker", "VLLM::")
+
+
+def test_down_stops_what_pdcluster_started_and_leaves_the_ray_cluster_it_joined(cluster, hosts):
+    """The Ray cluster was started by someone else (`ray start` on each host): `down` ends
+    pdcluster's actors and engines on every host, and that Ray cluster keeps running."""
+    head = hosts[0]
+    assert any(h.pids(marker) for h in hosts for marker in ACTORS)  # what is looked for is found while up
+    cluster.cli("down", "--name", cluster.name, timeout=300)
+    deadline = time.monotonic() + 60
+    while left := {h.name: h.pids(marker) for h in hosts for marker in ACTORS if h.pids(marker)}:
+        assert time.monotonic() < deadline, f"pdcluster processes outlived down: {left}"
+        time.sleep(0.5)  # poll interval: processes exit asynchronously after down returns
+    ray = str(Path(sys.executable).with_name("ray"))
+    assert head.run(ray, "status", f"--address={head.address}:6379", timeout=120, check=False).returncode == 0
+    assert not list(cluster.home.glob("*.json"))  # and no record is left
