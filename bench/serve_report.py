@@ -121,6 +121,8 @@ def report(raw: dict, notes: dict, workloads: dict, args, engine_args: dict, max
         "`pd` streams the prefill's first token at once and decode continues after it "
         "(`router.first_token_from_prefill`, the default); `pd-classic` is the same cluster with it off "
         "(decode samples the first token after the handoff, as in vLLM's own P/D).",
+        "Each setup first served a quarter of each workload with other prompts, not measured"
+        + (" (skipped in this run: --no-warm-up)." if getattr(args, "no_warm_up", False) else "."),
         "",
     ]
     for name, workload in workloads.items():

@@ -28,7 +28,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, slo_key, write_results  # noqa: E402
-from bench.serve import DIAGNOSTIC_SETUPS, SETUPS, WORKLOADS, cpu_profile, cpu_snapshot, run_workload, start_setup  # noqa: E402
+from bench.serve import (  # noqa: E402
+    DIAGNOSTIC_SETUPS,
+    SETUPS,
+    WORKLOADS,
+    cpu_profile,
+    cpu_snapshot,
+    run_workload,
+    start_setup,
+    warm_up,
+)
 from bench.serve_report import summarize  # noqa: E402
 
 SCALES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
@@ -78,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["interference", "steady"], choices=list(WORKLOADS))
     parser.add_argument("--scales", nargs="+", type=float, default=list(SCALES))
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
+    parser.add_argument("--no-warm-up", action="store_true", help="measure from the setup's first request")
     args = parser.parse_args(argv)
     raw: dict = {}
     notes: dict[str, str] = {}
@@ -87,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         for setup in args.setups:
             try:
                 with start_setup(setup, workdir) as endpoint:
+                    if not args.no_warm_up:  # each workload once at its lowest rate (bench/serve.py)
+                        warm_up(
+                            endpoint,
+                            {n: scaled(WORKLOADS[n], min(args.scales), False) for n in args.workloads},
+                            workdir,
+                            setup,
+                        )
                     for name in args.workloads:
                         for scale in args.scales:
                             workload = scaled(WORKLOADS[name], scale, args.quick)
@@ -113,7 +130,9 @@ def report(raw: dict, notes: dict, args, wall_s: float) -> None:
         f"Setups and workloads of bench/serve.py; each workload's streams at their rates × {args.scales} "
         "(requests scaled alike). Attainment: share of the decode-side stream's requests with TTFT ≤ T and no "
         f"inter-token gap > S. Goodput: `vllm bench serve --goodput` ({goodput}), requests/s. The load generator "
-        "shares the 2 cores: its share of the CPU used is shown per point.",
+        "shares the 2 cores: its share of the CPU used is shown per point. Each setup first served a quarter "
+        "of each workload at the lowest rate with other prompts, not measured"
+        + (" (skipped in this run: --no-warm-up)." if args.no_warm_up else "."),
         "",
     ]
     for name in args.workloads:
