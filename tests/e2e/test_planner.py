@@ -107,7 +107,10 @@ def test_a_flood_of_long_prompts_adds_prefill_and_the_calm_after_removes_it(clus
 def test_the_local_prefill_path_answers_as_the_pd_path(cluster, http):
     """The first request takes P/D; its decode replica now holds the prompt's full blocks, so the
     same prompt again leaves it fewer than local_prefill_max_tokens to compute: decode alone."""
-    prompt = token_prompt(3 * BLOCK + 10, offset=33_000)  # again: 138 to compute (MTP recomputes a block)
+    # Reversed: the flood's prompts are windows of the same short token stream, and once enough of
+    # them were served one began where this window begins (decode then held it before the first
+    # request); no window begins with this sequence. Again: 138 to compute (MTP recomputes a block).
+    prompt = token_prompt(3 * BLOCK + 10, offset=33_000)[::-1]
     assert len(prompt) > LOCAL_PREFILL_MAX >= len(prompt) - 2 * BLOCK
     before = cluster.routes()
     pd = greedy_completion(http, prompt, 16)

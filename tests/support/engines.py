@@ -28,7 +28,10 @@ from pdcluster.kv_transfer.settings import KVTransferSettings
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "pdcluster-tiny-code"
+# Engines started together share the 2 cores (an engine start is ~25 CPU-s, mostly imports) with
+# the other test lane: the deadline grows with how many start at once (7 at once missed a flat 240 s).
 STARTUP_TIMEOUT_S = 240
+STARTUP_EXTRA_PER_ENGINE_S = 60
 MAX_MODEL_LEN = 1024  # the context of every test engine (tiny_engine)
 # KV cache of every test engine: ~50k float32 tokens of the tiny model, 40 full contexts (the
 # whole GiB a cluster role gets would hold 200k and cost every engine 0.75 GiB more memory).
@@ -122,7 +125,7 @@ def run_engines(specs: list[EngineSpec], log_dir: Path) -> Iterator[dict[str, Ru
     """Start all engines at once (they load concurrently), then await each one's ready line."""
     launched = [(spec, *_launch(spec, log_dir)) for spec in specs]
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S + STARTUP_EXTRA_PER_ENGINE_S * (len(specs) - 1)
         running = {}
         for spec, proc, log_path in launched:
             url = _wait_ready(proc, log_path, deadline)
