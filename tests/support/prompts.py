@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 
 from tests.support.engines import MODEL
 
@@ -21,12 +22,18 @@ def heldout_prompts() -> tuple[str, ...]:
     return tuple(json.loads(line)["prompt"] for line in lines)
 
 
+# Client threads ask for their first prompt at once: the first tokenization (transformers' lazy
+# import, not thread-safe: "cannot import name 'AutoTokenizer'") runs in one of them only.
+_FIRST_USE = threading.Lock()
+
+
 @functools.lru_cache
 def _heldout_token_stream() -> tuple[int, ...]:
-    ids: list[int] = []
-    for text in heldout_prompts():
-        ids.extend(tokenizer()(text)["input_ids"])
-    return tuple(ids)
+    with _FIRST_USE:
+        ids: list[int] = []
+        for text in heldout_prompts():
+            ids.extend(tokenizer()(text)["input_ids"])
+        return tuple(ids)
 
 
 def token_prompt(length: int, offset: int = 0) -> list[int]:
