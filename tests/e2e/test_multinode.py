@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
+from pdcluster.orchestrator.session import ray_command
 from tests.support.cluster import TEST_DTYPE, cli, cluster_up, write_config
 from tests.support.hosts import make_hosts
 from tests.support.identity import assert_same_greedy, greedy_completion
@@ -258,16 +257,23 @@ def test_losing_a_hosts_ray_node_restarts_its_replica_on_another_host(cluster, h
 ACTORS = ("ray::Controller", "ray::RouterActor", "ray::PrefillWorker", "ray::DecodeWorker", "VLLM::")
 
 
+def pdcluster_processes(hosts) -> dict[str, list[int]]:
+    """Host name -> pids of pdcluster's actors and engines there (hosts with none left out)."""
+    found = {h.name: [pid for marker in ACTORS for pid in h.pids(marker)] for h in hosts}
+    return {name: pids for name, pids in found.items() if pids}
+
+
 def test_down_stops_what_pdcluster_started_and_leaves_the_ray_cluster_it_joined(cluster, hosts):
     """The Ray cluster was started by someone else (`ray start` on each host): `down` ends
     pdcluster's actors and engines on every host, and that Ray cluster keeps running."""
     head = hosts[0]
-    assert any(h.pids(marker) for h in hosts for marker in ACTORS)  # what is looked for is found while up
+    assert pdcluster_processes(hosts)  # what is looked for is found while up
     cluster.cli("down", "--name", cluster.name, timeout=300)
     deadline = time.monotonic() + 60
-    while left := {h.name: h.pids(marker) for h in hosts for marker in ACTORS if h.pids(marker)}:
+    while left := pdcluster_processes(hosts):
         assert time.monotonic() < deadline, f"pdcluster processes outlived down: {left}"
         time.sleep(0.5)  # poll interval: processes exit asynchronously after down returns
-    ray = str(Path(sys.executable).with_name("ray"))
-    assert head.run(ray, "status", f"--address={head.address}:6379", timeout=120, check=False).returncode == 0
+    assert (
+        head.run(*ray_command(), "status", f"--address={head.address}:6379", timeout=120, check=False).returncode == 0
+    )
     assert not list(cluster.home.glob("*.json"))  # and no record is left
