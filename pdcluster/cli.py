@@ -339,6 +339,9 @@ def format_status(status: dict[str, Any]) -> str:
             )
         if stats.get("prefix_cache_queries"):
             notes.append(f"prefix hits {stats['prefix_cache_hits'] / stats['prefix_cache_queries']:.2f}")
+        if stats.get("kv_pull_failures"):
+            causes = ", ".join(f"{cause} {n}" for cause, n in sorted(stats["kv_pull_failures"].items()))
+            notes.append(f"failed pulls: {causes}")
         if r.get("kv_backend"):
             pairs = ", ".join(f"{peer}→{b}" for peer, b in sorted((r.get("kv_backends") or {}).items()))
             notes.append(f"kv {r['kv_backend']}" + (f": {pairs}" if pairs else ""))

@@ -36,6 +36,7 @@ class EngineStats:
     kv_leases_released: int = 0
     kv_leases_expired: int = 0
     kv_backends: dict[str, str] = field(default_factory=dict)  # producer engine -> KV backend
+    kv_pull_failures: dict[str, int] = field(default_factory=dict)  # cause -> failed pulls
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -85,6 +86,10 @@ class EngineStatsRecorder(compat.stat_logger_base()):
                 for key, value in kv.items():
                     if key == "backends":
                         s.kv_backends.update(value)
+                        continue
+                    if key == "pull_failures":
+                        for cause, count in value.items():
+                            s.kv_pull_failures[cause] = s.kv_pull_failures.get(cause, 0) + count
                         continue
                     name = f"kv_{key}"
                     if hasattr(s, name):

@@ -7,10 +7,13 @@ engine host adds them to its totals (engine/stats.py).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from pdcluster.errors import PDClusterError
 
 COUNTERS = (
     "pulls_ok",
@@ -23,7 +26,8 @@ COUNTERS = (
 
 
 BACKENDS = "backends"  # producer engine id -> the KV backend this consumer uses with it
-_MAPS = (BACKENDS,)
+FAILURES = "pull_failures"  # cause of a failed pull (failure_cause) -> count
+_MAPS = (BACKENDS, FAILURES)
 
 
 @dataclass
@@ -37,6 +41,10 @@ class PDTransferStats(KVConnectorStats):
     def add(self, key: str, value: float = 1) -> None:
         self.data[key] += value
 
+    def add_failure(self, cause: str) -> None:
+        failures = self.data[FAILURES]
+        failures[cause] = failures.get(cause, 0) + 1
+
     def set_backend(self, producer_engine_id: str, backend: str) -> None:
         self.data[BACKENDS][producer_engine_id] = backend
 
@@ -47,7 +55,11 @@ class PDTransferStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
         for key, value in other.data.items():
-            if key in _MAPS:
+            if key == FAILURES:
+                merged = self.data.setdefault(key, {})
+                for cause, count in value.items():
+                    merged[cause] = merged.get(cause, 0) + count
+            elif key in _MAPS:
                 self.data.setdefault(key, {}).update(value)
             else:
                 self.data[key] = self.data.get(key, 0) + value
@@ -58,3 +70,15 @@ class PDTransferStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+def failure_cause(exc: BaseException) -> str:
+    """A failed pull's cause as a short label: our own error classes by name (TransferTimeoutError
+    -> transfer_timeout, LeaseExpiredError -> lease_expired), an OS error as os_error, anything
+    else (a bug, a library's surprise) as internal."""
+    if isinstance(exc, OSError):
+        return "os_error"
+    if not isinstance(exc, PDClusterError):
+        return "internal"
+    name = type(exc).__name__.removesuffix("Error") or "error"
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()

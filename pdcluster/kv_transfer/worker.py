@@ -41,7 +41,7 @@ from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import ProducerInfo
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext, Pool
-from pdcluster.kv_transfer.stats import PDTransferStats
+from pdcluster.kv_transfer.stats import PDTransferStats, failure_cause
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import (
     CacheSink,
@@ -62,6 +62,7 @@ class PullResult:
     seconds: float = 0.0
     event: Any = None  # device event the compute stream must wait on (None on CPU)
     error: str = ""
+    cause: str = ""  # failure_cause of a failed pull
 
 
 class ConnectorWorker:
@@ -235,6 +236,7 @@ class ConnectorWorker:
                 self.stats.add("pull_seconds", result.seconds)
             else:
                 self.stats.add("pulls_failed")
+                self.stats.add_failure(result.cause)
                 failed.add(request_id)
         return sending, recving, failed
 
@@ -411,6 +413,7 @@ class ConnectorWorker:
                 seconds=time.perf_counter() - started,
                 event=event,
                 error=str(exc),
+                cause=failure_cause(exc),
             )
         seconds = time.perf_counter() - started
         logger.debug("pulled %d bytes for %s in %.1f ms", nbytes, spec.request_id, seconds * 1e3)

@@ -80,6 +80,11 @@ class _EngineCollector:
             "pdcluster_replica_kv_cache_usage", "Fraction of KV cache blocks in use", labels=["replica", "role"]
         )
         pulls = CounterMetricFamily("pdcluster_kv_pulls", "KV pulls by decode replicas", labels=["replica", "outcome"])
+        pull_failures = CounterMetricFamily(
+            "pdcluster_kv_pull_failures",
+            "Failed KV pulls by cause (recomputed or failed per policy)",
+            labels=["replica", "cause"],
+        )
         kv_bytes = CounterMetricFamily(
             "pdcluster_kv_handoff_bytes", "KV bytes pulled by decode replicas", labels=["replica"]
         )
@@ -125,6 +130,8 @@ class _EngineCollector:
             if role in ("decode", "aggregated"):
                 pulls.add_metric([rid, "ok"], stats.get("kv_pulls_ok", 0))
                 pulls.add_metric([rid, "failed"], stats.get("kv_pulls_failed", 0))
+                for cause, count in sorted((stats.get("kv_pull_failures") or {}).items()):
+                    pull_failures.add_metric([rid, cause], count)
                 kv_bytes.add_metric([rid], stats.get("kv_bytes_received", 0))
                 kv_seconds.add_metric([rid], stats.get("kv_pull_seconds", 0.0))
                 drafts.add_metric([rid], stats.get("spec_draft_tokens", 0))
@@ -142,6 +149,7 @@ class _EngineCollector:
             kv_usage,
             rss,
             pulls,
+            pull_failures,
             kv_bytes,
             kv_seconds,
             leases,

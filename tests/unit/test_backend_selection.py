@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.cli import format_status
-from pdcluster.errors import KVTransferError
+from pdcluster.errors import KVTransferError, TransferTimeoutError
 from pdcluster.kv_transfer.settings import KVTransferSettings
-from pdcluster.kv_transfer.stats import PDTransferStats
+from pdcluster.kv_transfer.stats import PDTransferStats, failure_cause
 from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
+from pdcluster.orchestrator.metrics import RouterMetrics
 
 ALL = ("grpc", "shm", "collective")
 WITH_MOONCAKE = (*ALL, "mooncake")
@@ -121,6 +122,18 @@ def test_stats_merge_backends_per_producer():
     assert merged.data["backends"] == {"p0": "shm", "p1": "grpc"}
     assert "backends" not in merged.reduce()
     assert not a.is_empty()
+
+
+def test_failed_pulls_are_counted_by_cause_across_workers():
+    a, b = PDTransferStats(), PDTransferStats()
+    a.add_failure(failure_cause(TransferTimeoutError("late")))
+    b.add_failure(failure_cause(TransferTimeoutError("late")))
+    b.add_failure(failure_cause(ConnectionResetError("reset")))
+    b.add_failure(failure_cause(KVTransferError("no")))
+    assert a.aggregate(b).data["pull_failures"] == {"transfer_timeout": 2, "os_error": 1, "kv_transfer": 1}
+    row = {"replica_id": "decode-0", "role": "decode", "stats": {"kv_pull_failures": {"transfer_timeout": 2}}}
+    text = RouterMetrics(lambda: [row]).exposition().decode()
+    assert 'pdcluster_kv_pull_failures_total{cause="transfer_timeout",replica="decode-0"} 2.0' in text
 
 
 def test_status_table_shows_backend_per_pair():

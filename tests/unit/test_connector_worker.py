@@ -83,6 +83,7 @@ def test_local_block_ids_outside_the_cache_are_a_failed_load(producer, consumer)
     source.leases.add("req-1", [4, 5], time.monotonic() + 600)
     spec = PullSpec("d-2", lease(address), (4, 5), (0, 10**9))
     assert outcome(consumer, spec) == "failed"
+    assert consumer.take_stats().data["pull_failures"] == {"handshake": 1}  # a layout-level error
     # The producer's lease was released all the same.
     assert [done.request_id for done in source.leases.collect_finished()] == ["req-1"]
 
@@ -100,6 +101,7 @@ def test_a_bug_inside_the_transport_is_a_failed_load(producer, consumer, monkeyp
         assert outcome(consumer, PullSpec("d-3", lease(address), (4, 5), (0, 1))) == "failed"
     errors = [r for r in caplog.records if "ZeroDivisionError: a transport bug" in r.getMessage()]
     assert len(errors) == 1 and errors[0].exc_info is not None  # once, with its traceback
+    assert consumer.take_stats().data["pull_failures"] == {"internal": 1}
 
 
 def test_a_lease_known_to_have_expired_is_not_pulled(consumer):
@@ -109,6 +111,7 @@ def test_a_lease_known_to_have_expired_is_not_pulled(consumer):
         trap.setblocking(False)
         expired = lease(f"127.0.0.1:{trap.getsockname()[1]}", expiry_in=-5)
         assert outcome(consumer, PullSpec("d-4", expired, (4, 5), (0, 1))) == "failed"
+        assert consumer.take_stats().data["pull_failures"] == {"lease_expired": 1}
         with pytest.raises(BlockingIOError):
             trap.accept()  # neither a pull nor a release was dialed
 

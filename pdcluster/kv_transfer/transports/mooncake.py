@@ -44,7 +44,7 @@ import grpc
 import numpy as np
 
 from pdcluster.addresses import binds_every_address
-from pdcluster.errors import HandshakeError, KVTransferError
+from pdcluster.errors import HandshakeError, KVTransferError, TransferTimeoutError
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import KVLayout, ProducerInfo
@@ -163,13 +163,15 @@ class MooncakeEngine:
             if late is None and now > deadline:
                 late = now
             if late is not None and now > late + grace_s:
-                raise KVTransferError(f"Mooncake read from {session} still running {grace_s:.0f} s past its deadline")
+                raise TransferTimeoutError(
+                    f"Mooncake read from {session} still running {grace_s:.0f} s past its deadline"
+                )
             time.sleep(wait)  # poll interval: the engine's status has no blocking wait
             wait = min(wait * 2, POLL_S[1])
         if status != 0:
             raise KVTransferError(f"Mooncake read of {sum(lengths)} bytes from {session} failed (status {status})")
         if late is not None:
-            raise KVTransferError(f"Mooncake read from {session} ended past the pull's deadline")
+            raise TransferTimeoutError(f"Mooncake read from {session} ended past the pull's deadline")
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
