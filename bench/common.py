@@ -224,6 +224,46 @@ def attainment(detailed: dict) -> dict[str, float]:
     return out
 
 
+def requests(detailed: dict) -> list[dict]:
+    """Per request of `vllm bench serve --save-detailed` output: TTFT, the token 1 -> 2 gap, the
+    largest gap and where it fell (index 0: between tokens 1 and 2), ms; and its error."""
+    ttfts, itls = detailed.get("ttfts") or [], detailed.get("itls") or []
+    errors = detailed.get("errors") or [""] * len(ttfts)
+    out = []
+    for ttft, gaps, error in zip(ttfts, itls, errors):
+        worst = max(range(len(gaps)), key=gaps.__getitem__, default=None)
+        out.append(
+            {
+                "ttft_ms": ms(ttft) if ttft else None,
+                "gap_1_2_ms": ms(gaps[0]) if gaps else None,
+                "max_gap_ms": ms(gaps[worst]) if worst is not None else None,
+                "max_gap_at": worst,
+                "error": error or "",
+            }
+        )
+    return out
+
+
+def misses(per_request: list[dict], pair: tuple[int, int]) -> dict[str, int]:
+    """Why requests missed the SLO pair (T, S): failed, TTFT only, a gap only (and how many of
+    those had their largest gap between tokens 1 and 2), both."""
+    t_ms, s_ms = pair
+    out = {"failed": 0, "ttft": 0, "gap": 0, "gap_at_1_2": 0, "both": 0}
+    for r in per_request:
+        if r["error"] or r["ttft_ms"] is None:
+            out["failed"] += 1
+            continue
+        late, stalled = r["ttft_ms"] > t_ms, (r["max_gap_ms"] or 0.0) > s_ms
+        if late and stalled:
+            out["both"] += 1
+        elif late:
+            out["ttft"] += 1
+        elif stalled:
+            out["gap"] += 1
+            out["gap_at_1_2"] += r["max_gap_at"] == 0
+    return out
+
+
 def ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 2)
 

@@ -6,12 +6,19 @@ each scale, with that many times the requests (the arrival window stays the same
 `vllm bench serve` (--save-detailed, --goodput). Per point: the attainment of the workload's
 decode-side stream (bench/common.py SLOS: TTFT ≤ T and no inter-token gap > S), the tool's
 goodput, failed requests, and the load generator's share of the CPU (it shares the 2 cores with
-the servers). Per setup and workload: the highest offered rate at which ≥ 90 % of requests meet
-the first SLO pair (the highest scale tried that met it), and that against aggregated's.
+the servers), and why the requests that missed the first SLO pair missed it (TTFT, a gap, and how
+many of those gaps fell between tokens 1 and 2). Every point holds at least --min-requests
+decode-side requests (more requests, the same rates: a longer arrival window). The whole sweep
+runs --repeats times, each repeat starting every setup afresh in a rotated order (the machine's
+noise then falls on every setup alike); the report shows each point's median and spread. Per setup
+and workload: the highest offered rate at which the median point has ≥ 90 % of requests meeting the
+first SLO pair (the highest scale tried that met it), and that against aggregated's.
 
-Writes bench/results/<date>-serve-sweep.{md,json} and one attainment/goodput plot per workload.
+Writes bench/results/<date>-serve-sweep.{md,json} (the json with every request's TTFT and gaps)
+and one attainment/goodput plot per workload; every setup's and load generator's logs stay in a
+directory the report names.
 Usage: python bench/serve_sweep.py [--setups pd aggregated ...] [--workloads interference steady]
-       [--scales 0.5 1 2 3 4 6] [--quick]
+       [--scales 0.5 1 2 3 4 6] [--repeats 3] [--min-requests 150] [--quick]
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,13 +36,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, slo_key, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    GOODPUT,
+    RESULTS,
+    SLOS,
+    attainment,
+    machine,
+    misses,
+    requests,
+    slo_key,
+    write_results,
+)
 from bench.serve import (  # noqa: E402
     DIAGNOSTIC_SETUPS,
     SETUPS,
     WORKLOADS,
     cpu_profile,
     cpu_snapshot,
+    quarter,
     run_workload,
     start_setup,
     warm_up,
@@ -45,12 +65,18 @@ ATTAINED = 0.9  # "meets the SLO" at a rate: this share of requests within the f
 CLIENT = "vllm bench serve (client)"
 
 
-def scaled(workload: dict, scale: float, quick: bool) -> dict:
+def scaled(workload: dict, scale: float, quick: bool = False, min_requests: int = 0) -> dict:
+    """The workload's streams at `scale` times their rates and requests; all streams' requests
+    multiplied alike until the decode-side one has `min_requests` (the same rates, a longer
+    window); then a quarter of them for a --quick smoke run."""
     out = copy.deepcopy(workload)
     for stream in out["streams"].values():
         stream["rate"] = round(stream["rate"] * scale, 3)
-        stream["prompts"] = max(4, round(stream["prompts"] * scale / (4 if quick else 1)))
-    return out
+        stream["prompts"] = max(4, round(stream["prompts"] * scale))
+    factor = math.ceil(min_requests / out["streams"][out["itl_stream"]]["prompts"])
+    for stream in out["streams"].values():
+        stream["prompts"] *= max(1, factor)
+    return quarter(out) if quick else out
 
 
 def offered(workload: dict) -> float:
@@ -61,9 +87,12 @@ def offered(workload: dict) -> float:
 def point(results: dict, workload: dict, cpu: dict) -> dict:
     decode_side = results[workload["itl_stream"]]
     total_cpu = sum(cpu["cpu_s"].values()) or 1.0
+    per_request = requests(decode_side)
     return {
         "offered_rps": offered(workload),
         "attainment": attainment(decode_side),
+        "misses": misses(per_request, SLOS[0]),
+        "requests": per_request,
         "goodput_rps": decode_side.get("request_goodput"),
         "failed": sum(summarize(r)["failed"] for r in results.values()),
         "client_cpu_share": cpu["cpu_s"].get(CLIENT, 0.0) / total_cpu,
@@ -81,84 +110,124 @@ def highest_attained(points: list[dict]) -> float | None:
     return best
 
 
+def median_points(points: list[dict]) -> list[dict]:
+    """One point per scale over the repeats: median attainment (and its min-max spread), median
+    goodput and client CPU share, failed requests and misses summed."""
+    by_scale: dict[float, list[dict]] = {}
+    for p in points:
+        by_scale.setdefault(p["scale"], []).append(p)
+    out = []
+    for scale, runs in sorted(by_scale.items()):
+        keys = runs[0]["attainment"]
+        goodputs = [r["goodput_rps"] for r in runs if r["goodput_rps"] is not None]
+        out.append(
+            {
+                "scale": scale,
+                "offered_rps": runs[0]["offered_rps"],
+                "repeats": len(runs),
+                "requests": sum(len(r["requests"]) for r in runs),
+                "attainment": {k: statistics.median(r["attainment"][k] for r in runs) for k in keys},
+                "spread": {
+                    k: (min(r["attainment"][k] for r in runs), max(r["attainment"][k] for r in runs)) for k in keys
+                },
+                "goodput_rps": statistics.median(goodputs) if goodputs else None,
+                "failed": sum(r["failed"] for r in runs),
+                "client_cpu_share": statistics.median(r["client_cpu_share"] for r in runs),
+                "misses": {k: sum(r["misses"][k] for r in runs) for k in runs[0]["misses"]},
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=[*SETUPS, *DIAGNOSTIC_SETUPS])
     parser.add_argument("--workloads", nargs="+", default=["interference", "steady"], choices=list(WORKLOADS))
     parser.add_argument("--scales", nargs="+", type=float, default=list(SCALES))
+    parser.add_argument("--repeats", type=int, default=3, help="whole sweeps, setups in rotated order")
+    parser.add_argument("--min-requests", type=int, default=150, help="decode-side requests per point, at least")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
     parser.add_argument("--no-warm-up", action="store_true", help="measure from the setup's first request")
     args = parser.parse_args(argv)
     raw: dict = {}
     notes: dict[str, str] = {}
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="pdcluster-sweep-") as tmp:
-        workdir = Path(tmp)
-        for setup in args.setups:
+    logs = Path(tempfile.mkdtemp(prefix="pdcluster-sweep-"))  # kept: every setup's and client's logs
+    print(f"logs: {logs}", flush=True)
+    for repeat in range(args.repeats):
+        turn = repeat % len(args.setups)
+        for setup in args.setups[turn:] + args.setups[:turn]:
+            workdir = logs / f"repeat{repeat}-{setup}"
+            workdir.mkdir()
             try:
                 with start_setup(setup, workdir) as endpoint:
                     if not args.no_warm_up:  # each workload once at its lowest rate (bench/serve.py)
-                        warm_up(
-                            endpoint,
-                            {n: scaled(WORKLOADS[n], min(args.scales), False) for n in args.workloads},
-                            workdir,
-                            setup,
-                        )
+                        lowest = {n: scaled(WORKLOADS[n], min(args.scales)) for n in args.workloads}
+                        warm_up(endpoint, lowest, workdir, setup)
                     for name in args.workloads:
                         for scale in args.scales:
-                            workload = scaled(WORKLOADS[name], scale, args.quick)
+                            workload = scaled(WORKLOADS[name], scale, args.quick, args.min_requests)
                             cpu_before, t0 = cpu_snapshot(), time.monotonic()
                             results = run_workload(endpoint, workload, workdir, f"{setup}-{name}-{scale}")
                             cpu = cpu_profile(cpu_before, cpu_snapshot(), time.monotonic() - t0)
-                            got = point(results, workload, cpu)
-                            raw.setdefault(setup, {}).setdefault(name, []).append({"scale": scale, **got})
-                            print(setup, name, scale, json.dumps(got), flush=True)
+                            got = {"scale": scale, "repeat": repeat, **point(results, workload, cpu)}
+                            raw.setdefault(setup, {}).setdefault(name, []).append(got)
+                            shown = {k: v for k, v in got.items() if k != "requests"}
+                            print(setup, name, scale, json.dumps(shown), flush=True)
             except (RuntimeError, subprocess.SubprocessError) as exc:
-                notes[setup] = str(exc)[-2000:]
-                print(f"{setup} failed: {exc}", flush=True)
-    report(raw, notes, args, time.time() - started)
+                notes[f"{setup}, repeat {repeat}"] = str(exc)[-2000:]
+                print(f"{setup} failed in repeat {repeat}: {exc}", flush=True)
+    report(raw, notes, args, time.time() - started, logs)
     return 0
 
 
-def report(raw: dict, notes: dict, args, wall_s: float) -> None:
+def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
     date = time.strftime("%Y-%m-%d")
     keys = [slo_key(pair) for pair in SLOS]
     goodput = ", ".join(f"{k} ≤ {v} ms" for k, v in GOODPUT.items())
     lines = [
         f"# Serving benchmark: SLO attainment and goodput across request rates, {date}",
         "",
-        f"Setups and workloads of bench/serve.py; each workload's streams at their rates × {args.scales} "
-        "(requests scaled alike). Attainment: share of the decode-side stream's requests with TTFT ≤ T and no "
-        f"inter-token gap > S. Goodput: `vllm bench serve --goodput` ({goodput}), requests/s. The load generator "
-        "shares the 2 cores: its share of the CPU used is shown per point. Each setup first served a quarter "
-        "of each workload at the lowest rate with other prompts, not measured"
+        f"Setups and workloads of bench/serve.py; each workload's streams at their rates × {args.scales}, "
+        f"at least {args.min_requests} decode-side requests per point, {args.repeats} repeats (every setup "
+        "started afresh in each, in rotated order). Attainment: share of the decode-side stream's requests "
+        "with TTFT ≤ T and no inter-token gap > S, the median over the repeats [min-max]. Goodput: `vllm bench "
+        f"serve --goodput` ({goodput}), requests/s, median. Misses (first pair, all repeats): failed / TTFT "
+        "only / a gap only (of which the largest gap was between tokens 1 and 2) / both. The load generator "
+        "shares the 2 cores: its median share of the CPU used is shown per point. Each setup first served a "
+        "quarter of each workload at the lowest rate with other prompts, not measured"
         + (" (skipped in this run: --no-warm-up)." if args.no_warm_up else "."),
         "",
     ]
+    medians = {setup: {name: median_points(points) for name, points in per.items()} for setup, per in raw.items()}
     for name in args.workloads:
         lines += [
             f"## {name}",
             "",
-            "| setup | scale | offered req/s | "
+            "| setup | scale | offered req/s | requests | "
             + " | ".join(f"T {t} / S {s}" for t, s in SLOS)
-            + " | goodput req/s | failed | client CPU |",
-            "|---|---:|---:|" + "---:|" * len(SLOS) + "---:|---:|---:|",
+            + " | goodput req/s | failed | misses f / ttft / gap (1→2) / both | client CPU |",
+            "|---|---:|---:|---:|" + "---:|" * len(SLOS) + "---:|---:|---|---:|",
         ]
         best = {}
-        for setup, per in raw.items():
+        for setup, per in medians.items():
             points = per.get(name, [])
             for p in points:
-                cells = " | ".join(f"{p['attainment'][k]:.2f}" for k in keys)
+                cells = " | ".join(
+                    f"{p['attainment'][k]:.2f} [{p['spread'][k][0]:.2f}-{p['spread'][k][1]:.2f}]" for k in keys
+                )
                 good = "-" if p["goodput_rps"] is None else f"{p['goodput_rps']:.2f}"
+                m = p["misses"]
                 lines.append(
-                    f"| {setup} | {p['scale']:g} | {p['offered_rps']:g} | {cells} | {good} | {p['failed']} | "
+                    f"| {setup} | {p['scale']:g} | {p['offered_rps']:g} | {p['requests']} | {cells} | {good} | "
+                    f"{p['failed']} | {m['failed']} / {m['ttft']} / {m['gap']} ({m['gap_at_1_2']}) / {m['both']} | "
                     f"{100 * p['client_cpu_share']:.0f}% |"
                 )
             best[setup] = highest_attained(points)
         base = best.get("aggregated")
         lines += [
             "",
-            f"Highest offered rate with ≥ {ATTAINED:.0%} attainment at T {SLOS[0][0]} / S {SLOS[0][1]} ms:",
+            f"Highest offered rate with ≥ {ATTAINED:.0%} median attainment at T {SLOS[0][0]} / S {SLOS[0][1]} ms:",
             "",
         ]
         for setup, rate in best.items():
@@ -166,12 +235,12 @@ def report(raw: dict, notes: dict, args, wall_s: float) -> None:
             lines.append(f"- {setup}: {'none of the rates tried' if rate is None else f'{rate:g} req/s'}{ratio}")
         lines.append("")
         png = RESULTS / f"{date}-serve-sweep-{name}.png"
-        if any(per.get(name) for per in raw.values()):
-            plot({setup: per.get(name, []) for setup, per in raw.items()}, name, keys[0], png)
+        if any(per.get(name) for per in medians.values()):
+            plot({setup: per.get(name, []) for setup, per in medians.items()}, name, keys[0], png)
             lines += [f"![{name}]({png.name})", ""]
     for setup, note in notes.items():
         lines += [f"**{setup} did not complete**: `{note[-400:]}`", ""]
-    lines.append(f"Wall time {wall_s:.0f} s. Machine: {json.dumps(machine())}")
+    lines.append(f"Wall time {wall_s:.0f} s. Logs: `{logs}`. Machine: {json.dumps(machine())}")
     path = write_results("serve-sweep", {"raw": raw, "notes": notes, "args": vars(args), "machine": machine()},
                          "\n".join(lines) + "\n")  # fmt: skip
     print(path)

@@ -15,3 +15,38 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 def test_bench_script_imports(name):
     module = importlib.import_module(f"bench.{name}")
     assert module.__doc__  # each says what it measures and how
+
+
+def test_the_sweep_says_why_each_request_missed():
+    from bench.common import misses, requests
+
+    detailed = {
+        "ttfts": [0.1, 0.5, 0.1, 0.1, 0.5, None],
+        "itls": [[0.01, 0.02], [0.01], [0.3, 0.01], [0.01, 0.2], [0.3], []],
+        "errors": ["", "", "", "", "", "connection reset"],
+    }
+    per_request = requests(detailed)
+    assert per_request[2] == {"ttft_ms": 100.0, "gap_1_2_ms": 300.0, "max_gap_ms": 300.0, "max_gap_at": 0, "error": ""}
+    assert per_request[3]["max_gap_at"] == 1
+    assert misses(per_request, (200, 100)) == {"failed": 1, "ttft": 1, "gap": 2, "gap_at_1_2": 1, "both": 1}
+
+
+def test_sweep_points_hold_enough_requests_at_the_same_rates():
+    from bench.serve import WORKLOADS
+    from bench.serve_sweep import median_points, scaled
+
+    workload = WORKLOADS["interference"]
+    decode_side = workload["itl_stream"]
+    bigger = scaled(workload, 0.5, min_requests=150)
+    assert bigger["streams"][decode_side]["prompts"] >= 150
+    for name, stream in bigger["streams"].items():
+        assert stream["rate"] == round(workload["streams"][name]["rate"] * 0.5, 3)
+    runs = [
+        {"scale": 1.0, "offered_rps": 2.0, "attainment": {"a": a}, "goodput_rps": g, "failed": f,
+         "client_cpu_share": 0.1, "misses": {"ttft": 1}, "requests": [{}] * 3}
+        for a, g, f in ((0.2, 1.0, 0), (0.9, None, 1), (0.5, 2.0, 0))
+    ]  # fmt: skip
+    (point,) = median_points(runs)
+    assert point["attainment"] == {"a": 0.5} and point["spread"] == {"a": (0.2, 0.9)}
+    assert point["goodput_rps"] == 1.5 and point["failed"] == 1 and point["misses"] == {"ttft": 3}
+    assert point["requests"] == 9 and point["repeats"] == 3
