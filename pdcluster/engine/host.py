@@ -206,7 +206,8 @@ class EngineHost:
             self._server.should_exit = True
             if self._serve_task is not None:
                 try:
-                    await asyncio.wait_for(self._serve_task, timeout=10)
+                    async with asyncio.timeout(10):
+                        await self._serve_task
                 except asyncio.TimeoutError:
                     logger.warning("HTTP server of %s did not stop in time", self.spec.engine_id)
                     self._serve_task.cancel()

@@ -289,7 +289,8 @@ class KVEventRelay:
             yield _line(snapshot)
             while True:
                 try:
-                    await asyncio.wait_for(waiter[1].wait(), HEARTBEAT_S)
+                    async with asyncio.timeout(HEARTBEAT_S):
+                        await waiter[1].wait()
                 except asyncio.TimeoutError:
                     yield _line({"type": "heartbeat", "seq": last})
                     continue

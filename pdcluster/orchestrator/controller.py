@@ -286,7 +286,8 @@ class Controller:
             refs = [r.actor.info.remote() for r in live]
             for replica, ref in zip(live, refs):
                 try:
-                    replica.info = await asyncio.wait_for(ref, INFO_TIMEOUT_S)
+                    async with asyncio.timeout(INFO_TIMEOUT_S):
+                        replica.info = await ref
                     problem = None if replica.info.get("healthy", True) else "engine died"
                     replica.health.checked(True)
                 except ray.exceptions.RayActorError as exc:
@@ -378,7 +379,8 @@ class Controller:
             if remaining <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
             except asyncio.TimeoutError:
                 return False
             self._changed.clear()
@@ -432,7 +434,8 @@ class Controller:
         replica.stage = "stopping"
         if replica.actor is not None:
             try:
-                await asyncio.wait_for(replica.actor.shutdown.remote(), 60)
+                async with asyncio.timeout(60):
+                    await replica.actor.shutdown.remote()
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("replica %s did not shut down cleanly: %s", replica.replica_id, exc)
             ray.kill(replica.actor, no_restart=True)

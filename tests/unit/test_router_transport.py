@@ -144,3 +144,28 @@ def test_a_reader_that_falls_behind_stops_the_connection_reading(run):
             server.close()
 
     run(scenario, 60)
+
+
+def test_a_cancel_arriving_with_a_refused_connect_still_cancels():
+    """The router's KV-event followers are cancelled at stop while they reconnect; a cancel that
+    lands in the same loop turn as the connection's refusal must end the task. (asyncio.wait_for
+    on Python 3.11 returned the refusal instead: the follower took it for a failed connect, kept
+    reconnecting, and Router.stop() waited on it forever.)"""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        backend = transport._Backend()
+        connecting: asyncio.Task | None = None
+
+        async def refused(*args, **kwargs):
+            failed = loop.create_future()
+            loop.call_soon(failed.set_exception, ConnectionRefusedError(111, "Connection refused"))
+            loop.call_soon(connecting.cancel)  # both land in the same turn of the loop
+            return await failed
+
+        loop.create_connection = refused
+        connecting = asyncio.ensure_future(backend.connect_tcp("127.0.0.1", closed_port(), timeout=5))
+        with pytest.raises(asyncio.CancelledError):
+            await connecting
+
+    asyncio.run(scenario())

@@ -212,14 +212,14 @@ class _Backend(httpcore.AsyncNetworkBackend):
     ) -> httpcore.AsyncNetworkStream:
         loop = asyncio.get_running_loop()
         local = (local_address, 0) if local_address else None
+        origin = (host, port)
         try:
-            origin = (host, port)
-            transport, protocol = await asyncio.wait_for(
-                loop.create_connection(
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the connect's failure
+            # when a cancel lands in the same turn of the loop, and the cancel is lost.
+            async with asyncio.timeout(timeout):
+                transport, protocol = await loop.create_connection(
                     lambda: _Protocol(lambda p: self._lost(origin, p)), host, port, local_addr=local
-                ),
-                timeout,
-            )
+                )
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             raise httpcore.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
