@@ -152,24 +152,38 @@ def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("process, spin", [("VllmWorker-0", "0.005"), ("EngineCore", "0.0"), ("EngineCore_DP1", "0.0")])
-def test_worker_spin_setting_reaches_vllms_step_queues(process, spin):
+# vLLM's process names -> the spin our plugin gives that process's step queues
+SPIN_BY_PROCESS = {"VllmWorker-0": "0.005", "EngineCore": "0.0", "EngineCore_DP1": "0.0"}
+
+
+def test_worker_spin_setting_reaches_vllms_step_queues():
     """roles.*.worker_spin_ms travels as an env var that our vLLM plugin (active in every vLLM
     process of a pdcluster engine) applies to vLLM's shared-memory queues before they are made: in workers as set, in
     engine cores (which only wait for their workers' results) as no spin. A reader that went to
     sleep re-reads its queue every IDLE_RECHECK_MS, not every 5 s (a lost wake-up ping stalled
-    engines for 5 s)."""
+    engines for 5 s). One interpreter imports vLLM once, then forks a process per vLLM process
+    name, each loading the plugins as that process does."""
     code = (
-        f"import multiprocessing; multiprocessing.current_process().name = {process!r}; "
-        "from vllm.plugins import load_general_plugins; load_general_plugins(); "
-        "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition; "
-        "idle = MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False); "
-        "import inspect; print(inspect.unwrap(SpinCondition.__init__).__defaults__[0], idle.timeout_ms())"
+        "import multiprocessing, os, inspect\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition\n"
+        f"for name in {list(SPIN_BY_PROCESS)!r}:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        multiprocessing.current_process().name = name\n"
+        "        load_general_plugins()\n"
+        "        idle = MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False)\n"
+        "        print(name, inspect.unwrap(SpinCondition.__init__).__defaults__[0], idle.timeout_ms(), flush=True)\n"
+        "        os._exit(0)\n"
+        "    assert os.waitpid(pid, 0)[1] == 0, name\n"
     )
     engine_env = engine_spec(load_config(ROOT / "configs" / "local-cpu.yaml"), "prefill", 0, "prefill-0").env()
     env = {**os.environ, **engine_env}  # the engine marker and PDCLUSTER_WORKER_SPIN_MS=5
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.split()[-2:] == [spin, str(IDLE_RECHECK_MS)]
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    seen = {row[0]: row[1:] for row in rows if row and row[0] in SPIN_BY_PROCESS}
+    assert seen == {name: [spin, str(IDLE_RECHECK_MS)] for name, spin in SPIN_BY_PROCESS.items()}, out.stdout
 
 
 def _yaml(path: Path, **sections) -> Path:
