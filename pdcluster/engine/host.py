@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 from typing import Any
 
@@ -70,6 +72,7 @@ class EngineHost:
         self._serve_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
         self._failures: FailureInbox | None = None
+        self._ipc_dir: str | None = None
         self.events: KVEventRelay | None = None  # KV cache events for cache-aware routing (kv_events.py)
 
     async def start(self) -> str:
@@ -91,6 +94,7 @@ class EngineHost:
         compat.require_tested_vllm()
         request_amx_permission()
         mark_host()  # the engine's processes, spawned below, die with this one (lifetime.py)
+        self._ipc_dir = private_ipc_dir()
         if self.spec.role == "decode":
             # Why a KV pull failed reaches this process's answers (kv_errors.py); the engine's
             # processes, spawned below, inherit where to send it.
@@ -225,3 +229,23 @@ class EngineHost:
             self._failures.close()
             self._failures = None
             os.environ.pop(FAILURE_SOCKET_ENV, None)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)  # sockets of processes now gone
+            os.environ.pop(RPC_BASE_ENV, None)
+            self._ipc_dir = None
+
+
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
+
+
+def private_ipc_dir() -> str | None:
+    """A directory of this engine's own (mode 0700) for vLLM's ZMQ sockets between the engine's
+    processes, removed when the engine stops. vLLM names them ipc://$VLLM_RPC_BASE_PATH/<uuid>,
+    by default in /tmp, and leaves them there whenever a process ends without closing them (a
+    test run left thousands). Set before vLLM builds its engine, inherited by the processes it
+    spawns; an operator's own VLLM_RPC_BASE_PATH wins (None: nothing made)."""
+    if os.environ.get(RPC_BASE_ENV):
+        return None
+    path = tempfile.mkdtemp(prefix="pdcluster-vllm-ipc-")
+    os.environ[RPC_BASE_ENV] = path
+    return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -515,3 +516,21 @@ def test_fail_policy_through_the_router_gives_clear_errors_and_abandoned_leases_
     # Failed pulls released their leases; abandoned ones were never pulled and expire.
     after = wait_for(lambda: (s := info(prefill)["stats"])["kv_cache_usage"] == 0.0 and s, LEASE_S + 30, "expiry")
     assert after["kv_leases_expired"] - baseline["kv_leases_expired"] >= len(abandoned)
+
+
+def test_vllms_sockets_live_in_each_engines_own_directory(engines):
+    """vLLM's ZMQ sockets between an engine's processes are in a directory of that engine's own,
+    not loose in the temp directory where a process that dies leaves them (test_lifetime: the
+    directory goes when the engine stops)."""
+    tmp = Path(tempfile.gettempdir())
+    for name in ("prefill", "decode-shm"):  # single-process, and vLLM's own worker layout
+        host = psutil.Process(engines[name].process.pid)
+        children = host.children(recursive=True)
+        # the host set it for the processes vLLM spawns (its own /proc environ predates that)
+        bases = {p.environ().get("VLLM_RPC_BASE_PATH") for p in children}
+        assert len(bases) == 1 and None not in bases, (name, bases)
+        base = Path(bases.pop())
+        assert base.parent == tmp and base.name.startswith("pdcluster-vllm-ipc-"), base
+        bound = {c.laddr for p in (host, *children) for c in p.net_connections(kind="unix") if c.laddr}
+        ipc = {Path(path) for path in bound if Path(path).parent in (tmp, base)}
+        assert ipc and all(path.parent == base for path in ipc), (name, ipc)

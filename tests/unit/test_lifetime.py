@@ -57,3 +57,26 @@ def test_processes_outside_an_engine_are_left_alone():
         assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
     finally:
         child.kill()
+
+
+def test_vllms_sockets_go_to_the_engines_own_directory_and_leave_with_it(monkeypatch):
+    """vLLM names its engine sockets ipc://$VLLM_RPC_BASE_PATH/<uuid> (by default in /tmp) and
+    leaves them behind whenever a process ends without closing them; an engine host gives them a
+    private directory that its stop() removes. An operator's own setting is left alone."""
+    import asyncio
+    import stat
+
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    from pdcluster.engine.host import RPC_BASE_ENV, EngineHost, private_ipc_dir
+    from tests.support.engines import tiny_engine
+
+    monkeypatch.delenv(RPC_BASE_ENV, raising=False)
+    host = EngineHost(tiny_engine("ipc-test"), "secret")
+    host._ipc_dir = path = private_ipc_dir()
+    assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert get_open_zmq_ipc_path().startswith(f"ipc://{path}/")  # vLLM reads it when it names one
+    asyncio.run(host.stop())  # an engine that started nothing else stops all the same
+    assert not os.path.exists(path) and RPC_BASE_ENV not in os.environ
+    monkeypatch.setenv(RPC_BASE_ENV, "/run/operator-chosen")
+    assert private_ipc_dir() is None and os.environ[RPC_BASE_ENV] == "/run/operator-chosen"
