@@ -251,7 +251,7 @@ def test_a_lease_outlives_a_long_queue_at_decode(engines):
     narrow, prefill = engines["decode-mooncake"], engines["prefill"]
     busy_requests = 2
     for _ in range(4):
-        before_p, before_d = info(prefill)["stats"], info(narrow)["stats"]
+        before_d = info(narrow)["stats"]
         with ThreadPoolExecutor(busy_requests) as pool:
             busy = [pool.submit(complete, narrow, token_prompt(8, offset=90 + i), 1000) for i in range(busy_requests)]
             wait_for(lambda n=busy_requests: info(narrow)["stats"]["waiting"] == n - 1, 60, "a busy queue")
@@ -264,8 +264,10 @@ def test_a_lease_outlives_a_long_queue_at_decode(engines):
             break
         busy_requests = math.ceil(busy_requests * 1.5 * LEASE_S / queued_s)  # a longer queue next time
     assert queued_s > LEASE_S, f"the queue ({queued_s:.1f} s) never outlasted the lease ({LEASE_S} s)"
-    after_p, after_d = info(prefill)["stats"], info(narrow)["stats"]
-    assert after_p["kv_leases_expired"] == before_p["kv_leases_expired"]
+    # The queued request's pull succeeded, so its lease was alive when pulled. (The prefill's own
+    # expiry count is no witness: it serves every decode of this module, and a lease an earlier
+    # test left to expire can run out inside this window on a loaded machine.)
+    after_d = info(narrow)["stats"]
     assert after_d["kv_pulls_ok"] == before_d["kv_pulls_ok"] + 1
     assert after_d["kv_pulls_failed"] == before_d["kv_pulls_failed"]
 
@@ -526,9 +528,10 @@ def test_vllms_sockets_live_in_each_engines_own_directory(engines):
     for name in ("prefill", "decode-shm"):  # single-process, and vLLM's own worker layout
         host = psutil.Process(engines[name].process.pid)
         children = host.children(recursive=True)
-        # the host set it for the processes vLLM spawns (its own /proc environ predates that)
-        bases = {p.environ().get("VLLM_RPC_BASE_PATH") for p in children}
-        assert len(bases) == 1 and None not in bases, (name, bases)
+        # The host set it for the processes vLLM spawns (its own /proc environ predates that, as
+        # does that of a helper started before the engine, such as multiprocessing's tracker).
+        bases = {base for p in children if (base := p.environ().get("VLLM_RPC_BASE_PATH"))}
+        assert len(bases) == 1, (name, bases)
         base = Path(bases.pop())
         assert base.parent == tmp and base.name.startswith("pdcluster-vllm-ipc-"), base
         bound = {c.laddr for p in (host, *children) for c in p.net_connections(kind="unix") if c.laddr}

@@ -37,6 +37,7 @@ SHM_BYTES = 512 << 20
 RAY_DIR = "/tmp/ray"  # Ray's default state directory, private to each host
 RAY_DIR_BYTES = 2 << 30
 RAY_STARTED = "Ray runtime started"
+RAY_SLOW_START = "The current node timed out during startup"  # ray/_private/node.py
 
 
 def require_root() -> None:
@@ -97,6 +98,19 @@ class Host:
             argv.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
         if resources:
             argv.append("--resources=" + json.dumps(resources))
+        node, seen = self._ray_start(argv)
+        if node is None and any(RAY_SLOW_START in line for line in seen):
+            # Ray gives a raylet a fixed 30 s to register with the GCS; on a loaded machine that
+            # can pass. What the attempt started on this host is stopped, then it starts once more.
+            self.run(ray, "stop", "--force", timeout=120, check=False)
+            node, seen = self._ray_start(argv)
+        if node is None:
+            raise AssertionError(f"ray start on {self.name} failed: {''.join(seen[-20:])}")
+        return node
+
+    def _ray_start(self, argv: list[str]) -> tuple[subprocess.Popen | None, list[str]]:
+        """The running `ray start --block` once Ray says it started (None: it exited), and what
+        it printed until then."""
         node = self.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen = []
         for line in node.stdout:  # await Ray's own "started" message
@@ -104,8 +118,9 @@ class Host:
             if RAY_STARTED in line:
                 # What it prints later is read on (a full pipe would block it).
                 threading.Thread(target=node.stdout.read, daemon=True).start()
-                return node
-        raise AssertionError(f"ray start on {self.name} exited {node.wait()}: {''.join(seen[-20:])}")
+                return node, seen
+        seen.append(f"(exit code {node.wait()})")
+        return None, seen
 
     def pids(self, marker: str) -> list[int]:
         """Pids (as this machine sees them) of the host's live processes whose command line
