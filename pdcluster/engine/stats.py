@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdcluster import compat
+from pdcluster.kv_transfer.stats import FAILURES, add_counts
 
 
 @dataclass
@@ -87,9 +88,8 @@ class EngineStatsRecorder(compat.stat_logger_base()):
                     if key == "backends":
                         s.kv_backends.update(value)
                         continue
-                    if key == "pull_failures":
-                        for cause, count in value.items():
-                            s.kv_pull_failures[cause] = s.kv_pull_failures.get(cause, 0) + count
+                    if key == FAILURES:
+                        add_counts(s.kv_pull_failures, value)
                         continue
                     name = f"kv_{key}"
                     if hasattr(s, name):

@@ -42,8 +42,7 @@ class PDTransferStats(KVConnectorStats):
         self.data[key] += value
 
     def add_failure(self, cause: str) -> None:
-        failures = self.data[FAILURES]
-        failures[cause] = failures.get(cause, 0) + 1
+        add_counts(self.data[FAILURES], {cause: 1})
 
     def set_backend(self, producer_engine_id: str, backend: str) -> None:
         self.data[BACKENDS][producer_engine_id] = backend
@@ -56,9 +55,7 @@ class PDTransferStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
         for key, value in other.data.items():
             if key == FAILURES:
-                merged = self.data.setdefault(key, {})
-                for cause, count in value.items():
-                    merged[cause] = merged.get(cause, 0) + count
+                add_counts(self.data.setdefault(key, {}), value)
             elif key in _MAPS:
                 self.data.setdefault(key, {}).update(value)
             else:
@@ -70,6 +67,12 @@ class PDTransferStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    """Add per-label counts (failed pulls by cause) into a running tally."""
+    for label, count in counts.items():
+        into[label] = into.get(label, 0) + count
 
 
 def failure_cause(exc: BaseException) -> str:
