@@ -22,7 +22,7 @@ The reaches, by module:
                  SHM_READER_RECHECK_INTERVAL_MS): vllm_plugin.py
   vllm_engine    cpu_worker_base, parse_cpu_list, executor_choice, run_model_in_engine_core
                  (CPUWorker.init_device, parse_id_list, ParallelConfig): engine/single_process.py;
-                 truncate_prompt (Request._all_token_ids ...), blocks_and_local_hit
+                 truncate_prompt, extend_prompt (Request._all_token_ids ...), blocks_and_local_hit
                  (KVCacheBlocks.blocks, KVCacheBlock.block_hash): kv_transfer/scheduler.py;
                  stat_logger_base (StatLoggerBase.record, SchedulerStats): engine/stats.py
   vllm_prefix    block_hasher (kv_cache_utils.hash_block_tokens, resolve_none_hash_seed,
@@ -55,11 +55,13 @@ from pdcluster.compat.torch_dist import gloo_options, gloo_pair_group, hccl_pair
 from pdcluster.compat.vllm_engine import (
     blocks_and_local_hit,
     check_blocks_shape,
+    check_extend_shape,
     check_request_shape,
     cpu_worker_base,
     cpu_worker_name,
     executor_choice,
     expect_executor_backend,
+    extend_prompt,
     parse_cpu_list,
     run_model_in_engine_core,
     stat_logger_base,
@@ -97,6 +99,7 @@ def shape_checks() -> dict[str, Callable[[], Any]]:
         "parse_cpu_list": _parse_check,
         "run_model_in_engine_core": lambda: expect_executor_backend("uni"),
         "truncate_prompt": check_request_shape,
+        "extend_prompt": check_extend_shape,
         "blocks_and_local_hit": check_blocks_shape,
         "stat_logger_base": stat_logger_base,
         "openai_frontend_args": lambda: openai_frontend_args(["--model", "m", "--port", "0"]),
@@ -136,6 +139,7 @@ __all__ = [
     "cpu_worker_base",
     "cpu_worker_name",
     "executor_choice",
+    "extend_prompt",
     "external_hash",
     "gloo_pair_group",
     "hccl_pair_group",

@@ -117,6 +117,28 @@ def truncate_prompt(request: Any, n: int) -> None:
     request.max_tokens = 1
 
 
+def extend_prompt(request: Any, token_id: int) -> None:
+    """Append one token to the prompt of a request that has computed nothing yet.
+
+    Upstream: `vllm.v1.request.Request.prompt_token_ids`, `._all_token_ids` (the private list
+    behind `all_token_ids` and `num_tokens`), `.num_prompt_tokens` and `update_block_hashes()`
+    (the hash of a block the token completes), the same fields `truncate_prompt` shortens.
+    Why: a decode request admitted before its prefill answered (router.decode_ahead) carries
+    the prompt; the prefill's first token arrives with the lease and becomes the last prompt
+    token, so that decode computes its KV and samples the second token. The model runner reads
+    prompt_token_ids when the request is first scheduled, which is after this."""
+    require_tested_vllm()
+    expect_attributes(request, "vllm.v1.request.Request", (*_REQUEST_FIELDS, "num_computed_tokens", "prompt_embeds"))
+    if not isinstance(request._all_token_ids, list) or not isinstance(request.prompt_token_ids, list):
+        raise VLLMShapeError("vllm.v1.request.Request: prompt_token_ids / _all_token_ids are not lists")
+    if request.prompt_embeds is not None or len(request._all_token_ids) != request.num_prompt_tokens:
+        raise VLLMShapeError("extend_prompt: the request has prompt embeddings or output tokens")
+    request.prompt_token_ids.append(int(token_id))
+    request._all_token_ids.append(int(token_id))
+    request.num_prompt_tokens += 1
+    request.update_block_hashes()
+
+
 def blocks_and_local_hit(blocks: Any) -> tuple[list[int], int]:
     """A request's block ids in token order (one KV cache group: unpacking raises on more) and
     how many leading ones its local prefix cache supplied.
@@ -162,6 +184,28 @@ def check_request_shape() -> None:
     truncate_prompt(request, 2)
     if list(request.all_token_ids) != [1, 2] or request.num_prompt_tokens != 2 or request.max_tokens != 1:
         raise VLLMShapeError("vllm.v1.request.Request: truncating its token lists no longer shortens it")
+
+
+def check_extend_shape() -> None:
+    """extend_prompt on a real vLLM Request with a block hasher: one more prompt token, and the
+    block it completes hashed."""
+    request_cls = resolve("vllm.v1.request", "Request")
+    sampling = resolve("vllm.sampling_params", "SamplingParams")
+
+    def hasher(request: Any) -> list[int]:  # one "hash" per full block of 2 not yet hashed
+        full = len(request.all_token_ids) // 2
+        return list(range(len(request.block_hashes), full))
+
+    request = request_cls(
+        request_id="pdcluster-shape-check",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=sampling(max_tokens=8),
+        pooling_params=None,
+        block_hasher=hasher,
+    )
+    extend_prompt(request, 4)
+    if list(request.all_token_ids) != [1, 2, 3, 4] or request.num_prompt_tokens != 4 or len(request.block_hashes) != 2:
+        raise VLLMShapeError("vllm.v1.request.Request: extending its token lists no longer lengthens it")
 
 
 # -- stats (engine/stats.py) ---------------------------------------------------------------

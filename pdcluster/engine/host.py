@@ -98,7 +98,7 @@ class EngineHost:
         if self.spec.role == "decode":
             # Why a KV pull failed reaches this process's answers (kv_errors.py); the engine's
             # processes, spawned below, inherit where to send it.
-            self._failures = FailureInbox()
+            self._failures = FailureInbox(on_abort=self._abort_soon(asyncio.get_running_loop()))
             os.environ[FAILURE_SOCKET_ENV] = self._failures.path
         kwargs = self.spec.engine_kwargs()
         if self.spec.kv_events:
@@ -137,6 +137,16 @@ class EngineHost:
         self.started_at = time.time()
         logger.info("engine %s (%s) serving on %s", self.spec.engine_id, self.spec.role, self.url)
         return self.url
+
+    def _abort_soon(self, loop: asyncio.AbstractEventLoop):
+        """What the failure inbox calls (on its thread) for a request the engine must abort: a
+        request admitted ahead of its prefill whose lease never came (kv_transfer/ahead.py)."""
+
+        def abort(request_id: str) -> None:
+            if self.engine is not None:
+                asyncio.run_coroutine_threadsafe(self.engine.abort(request_id, internal=True), loop)
+
+        return abort
 
     async def _build_app(self, port: int):
         args = frontend_args(self.spec, self.spec.http_host, port)

@@ -6,7 +6,9 @@ This ASGI middleware on the engine's app rewrites exactly that answer for exactl
 when the engine's answer is an error it reads the request's lease (`remote_request_id` of its
 kv_transfer_params) and asks the failure inbox (kv_transfer/failures.py) whether that lease's
 pull failed; if so the client gets 502 `kv_transfer_error` naming both engines and the
-pull's reason. Every other request and answer passes through untouched.
+pull's reason. A request admitted ahead of its prefill whose lease never came is aborted
+(whatever the policy, kv_transfer/ahead.py): its aborted stream, which vLLM ends with no event,
+gets that error before its end, found by its lease key. Every other request and answer passes through untouched.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from pdcluster.kv_transfer.failures import FailureInbox
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _ERROR_EVENT = re.compile(rb'^data: \{"error".*$', re.M)
+_DONE = b"data: [DONE]"
 
 
-def kv_error_body(producer: str, consumer: str, reason: str) -> dict[str, Any]:
+def kv_error_body(producer: str, consumer: str, reason: str, aborted: bool = False) -> dict[str, Any]:
+    """`aborted`: a request admitted ahead of its prefill whose lease never came (any policy)."""
+    why = "no lease came for a request admitted ahead of its prefill" if aborted else "kv_transfer.failure_policy=fail"
     return {
         "error": {
-            "message": f"KV handoff from {producer} to {consumer} failed and kv_transfer.failure_policy=fail: {reason}",
+            "message": f"KV handoff from {producer} to {consumer} failed and {why}: {reason}",
             "type": "kv_transfer_error",
             "param": None,
             "code": 502,
@@ -34,12 +39,17 @@ def kv_error_body(producer: str, consumer: str, reason: str) -> dict[str, Any]:
 
 
 def lease_of(body: bytes) -> str | None:
-    """The producer's request id a decode request carries, or None."""
+    """What a decode request's failed pull is reported under: the producer's request id of its
+    lease, or the key of one admitted ahead of its prefill; None for other requests."""
     try:
         request = json.loads(body)
     except ValueError:
         return None
     params = request.get("kv_transfer_params") if isinstance(request, dict) else None
+    if kvp.wants_lease_await(params):
+        spec = params.get(kvp.AWAIT)
+        key = spec.get("key") if isinstance(spec, dict) else None
+        return key if isinstance(key, str) else None
     if not kvp.wants_remote_prefill(params):
         return None
     lease = params.get("remote_request_id")
@@ -69,7 +79,7 @@ class KVErrorAnswers:
         (the request's body is parsed only here, on an error)."""
         lease = lease_of(b"".join(body_chunks))
         found = None if lease is None else self.inbox.take(lease)
-        return None if found is None else kv_error_body(found[0], self.engine_id, found[1])
+        return None if found is None else kv_error_body(found[0], self.engine_id, found[1], aborted=found[2])
 
 
 class _Rewriter:
@@ -100,8 +110,13 @@ class _Rewriter:
                 return
             await self._send_held()
             return
-        if self.streaming and b'data: {"error"' in message.get("body", b""):
-            message = dict(message, body=_ERROR_EVENT.sub(self._event, message["body"]))
+        body = message.get("body", b"")
+        if self.streaming and b'data: {"error"' in body:
+            message = dict(message, body=_ERROR_EVENT.sub(self._event, body))
+        elif self.streaming and _DONE in body and (explained := self.owner.explained(self.body_chunks)):
+            # aborted without an error event of vLLM's (a request whose lease never came)
+            event = b"data: " + json.dumps(explained).encode() + b"\n\n"
+            message = dict(message, body=body.replace(_DONE, event + _DONE, 1))
         await self.send(message)
 
     def _event(self, match: re.Match) -> bytes:

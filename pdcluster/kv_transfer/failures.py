@@ -14,6 +14,9 @@ is the channel between the two, used for nothing else:
 - The API process reads the socket as reports arrive, and the engine app's middleware
   (engine/kv_errors.py) looks a reason up by the request's lease (`remote_request_id` of its
   kv_transfer_params): an exact key.
+- A request admitted ahead of its prefill whose lease never came (ahead.py) is reported under its
+  lease key with `abort` (vLLM's request id), whatever the policy: the inbox's `on_abort` (the
+  engine host) aborts it, and its answer carries the reason.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import socket
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -35,14 +39,17 @@ MAX_REASON_CHARS = 2000
 MAX_KEPT = 1024  # reasons kept for answers not yet written (the oldest go first)
 
 
-def report_failure(lease_request_id: str, producer_engine_id: str, reason: str) -> None:
+def report_failure(lease_request_id: str, producer_engine_id: str, reason: str, abort: str = "") -> None:
     """Tell this engine's API process why the pull of `lease_request_id` failed (best effort:
-    without the channel the client gets vLLM's own error)."""
+    without the channel the client gets vLLM's own error); `abort`: vLLM's id of a request the
+    API process must abort."""
     path = os.environ.get(FAILURE_SOCKET_ENV)
     if not path:
+        if abort:
+            logger.error("no KV failure inbox: request %s cannot be aborted and waits for its deadline", abort)
         return
     message = json.dumps(
-        {"lease": lease_request_id, "producer": producer_engine_id, "reason": reason[:MAX_REASON_CHARS]}
+        {"lease": lease_request_id, "producer": producer_engine_id, "reason": reason[:MAX_REASON_CHARS], "abort": abort}
     ).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
@@ -58,13 +65,14 @@ class FailureInbox:
     socket as it arrives (the kernel queues only a few datagrams per socket); `take` drains what
     is left first, so a report sent before the failure was reported is always found."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_abort: Callable[[str], None] | None = None) -> None:
+        self.on_abort = on_abort  # called on the reader thread with vLLM's request id
         self._dir = Path(tempfile.mkdtemp(prefix="pdcluster-kv-failures-"))  # mode 0700
         self.path = str(self._dir / "inbox")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)
         self._sock.setblocking(False)
-        self._reasons: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._reasons: OrderedDict[str, tuple[str, str, bool]] = OrderedDict()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._reader = threading.Thread(target=self._read, name="kv-failure-inbox", daemon=True)
@@ -93,15 +101,19 @@ class FailureInbox:
                 return
             try:
                 message = json.loads(data)
-                self._reasons[str(message["lease"])] = (str(message["producer"]), str(message["reason"]))
+                abort = str(message.get("abort") or "")
+                self._reasons[str(message["lease"])] = (str(message["producer"]), str(message["reason"]), bool(abort))
             except (ValueError, KeyError, TypeError):
                 logger.warning("ignored a malformed KV failure report")
                 continue
+            if abort and self.on_abort is not None:
+                self.on_abort(abort)
             while len(self._reasons) > MAX_KEPT:
                 self._reasons.popitem(last=False)
 
-    def take(self, lease_request_id: str) -> tuple[str, str] | None:
-        """(producer engine id, reason) of the failed pull of that lease, once; None if none."""
+    def take(self, lease_request_id: str) -> tuple[str, str, bool] | None:
+        """(producer engine id, reason, aborted: a request admitted ahead whose lease never came)
+        of the failed pull of that lease, once; None if none."""
         with self._lock:
             self._drain()
             return self._reasons.pop(lease_request_id, None)

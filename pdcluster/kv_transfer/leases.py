@@ -9,6 +9,12 @@ that arrives before the worker learned about the lease waits on a condition (bou
 sleep; a pull for a lease that already ended (expired or released) fails at once: the table
 remembers the last ENDED_MEMORY ended request ids. Every path ends in RELEASED: confirmation,
 failed pull + release, or expiry.
+
+A lease may also be filed under a key (a decode request admitted ahead of its prefill looks it
+up by that key, never knowing the producer's request id): `handouts` answers, for a set of keys,
+the signed lease and the prefill's first token of those registered so far, waiting a moment for
+one to come when none has. Ended leases keep their handout a while (ENDED_MEMORY): a late lookup
+still learns the first token, and its pull then fails as for any ended lease.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class Lease:
     expired: bool = False
     transferred: bool = False
     created: float = field(default_factory=time.monotonic)
+    key: str = ""
+    handout: tuple[str, int] | None = None  # with a key: (signed lease as JSON, first token)
 
 
 class LeaseTable:
@@ -54,19 +62,49 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._finished: list[Lease] = []
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> how its lease ended
+        self._by_key: dict[str, Lease] = {}
+        self._ended_handouts: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> handout
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
         with self._cond:
             return sum(1 for lease in self._leases.values() if lease.state != LeaseState.RELEASED)
 
-    def add(self, request_id: str, block_ids: Sequence[int], deadline: float, ready_event=None):
+    def add(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        deadline: float,
+        ready_event=None,
+        key: str = "",
+        handout: tuple[str, int] | None = None,
+    ):
         with self._cond:
             if request_id in self._leases:
                 logger.warning("lease for %s registered twice; keeping the first", request_id)
                 return
-            self._leases[request_id] = Lease(request_id, tuple(block_ids), deadline, ready_event)
+            lease = Lease(request_id, tuple(block_ids), deadline, ready_event, key=key, handout=handout)
+            self._leases[request_id] = lease
+            if key and handout is not None:
+                self._by_key[key] = lease
             self._cond.notify_all()
+
+    def handouts(self, keys: Sequence[str], wait_s: float = 0.0) -> dict[str, tuple[str, int]]:
+        """key -> (signed lease as JSON, first token) for the keys whose lease was registered
+        (also when it already ended); waits up to wait_s for one when none has yet."""
+        end = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                found = {}
+                for key in keys:
+                    lease = self._by_key.get(key)
+                    handout = lease.handout if lease is not None else self._ended_handouts.get(key)
+                    if handout is not None:
+                        found[key] = handout
+                remaining = end - time.monotonic()
+                if found or remaining <= 0:
+                    return found
+                self._cond.wait(remaining)
 
     def acquire(self, request_id: str, block_ids: Sequence[int], wait_s: float) -> Lease:
         """Start a pull: wait up to wait_s for the lease to appear; check the requested blocks."""
@@ -142,6 +180,10 @@ class LeaseTable:
             for lease in done:
                 del self._leases[lease.request_id]
                 self._ended[lease.request_id] = "expired" if lease.expired else "was released"
+                if self._by_key.pop(lease.key, None) is not None and lease.handout is not None:
+                    self._ended_handouts[lease.key] = lease.handout
             while len(self._ended) > ENDED_MEMORY:
                 self._ended.popitem(last=False)
+            while len(self._ended_handouts) > ENDED_MEMORY:
+                self._ended_handouts.popitem(last=False)
             return done

@@ -6,6 +6,13 @@ Per step (scheduler -> worker, `PDConnectorMetadata`):
   pulls       consumer: requests whose blocks were just allocated and must be pulled
   releases    consumer: producer leases to drop without pulling (local cache hit, aborted request)
   renewals    consumer: leases of requests still queued here, to keep (every lease_seconds / 6)
+  abandoned   consumer: requests admitted ahead of their prefill that ended before their lease
+              came (the worker stops looking for it and reports the load as done)
+
+Per step (worker -> scheduler, `PDWorkerMetadata`):
+  first_tokens  consumer: the prefill's first token of each request admitted ahead of its
+                prefill, once its lease is found; the scheduler makes it the last prompt token
+                before the request is computed (every request in finished_recving has had its)
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
-from pdcluster.kv_transfer.params import KVParams
+from pdcluster.kv_transfer.params import AwaitParams, KVParams
 
 
 @dataclass(frozen=True)
@@ -25,15 +33,21 @@ class LeaseSpec:
     request_id: str
     block_ids: tuple[int, ...]
     expiry_unix: float
+    key: str = ""  # the key a consumer admitted ahead finds this lease by ("": none asked)
+    params: str = ""  # with a key: the signed lease (KVParams.to_dict as JSON) handed out by it
+    first_token: int = -1  # with a key: the token the prefill sampled (-1: none)
 
 
 @dataclass(frozen=True)
 class PullSpec:
     request_id: str  # the consumer's request id (reported back in finished_recving)
-    remote: KVParams
+    remote: KVParams | None  # None while awaiting: the lease is found by `awaiting.key` first
     remote_block_ids: tuple[int, ...]  # the producer blocks to read, in token order
     local_block_ids: tuple[int, ...]  # where they go, same order
     renewed_until: float = 0.0  # unix time the consumer's renewals kept the lease to (0: none)
+    awaiting: AwaitParams | None = None  # admitted ahead of its prefill (params.AwaitParams)
+    remote_offset: int = 0  # awaiting: the lease's first block to read (after the local hit)
+    num_tokens: int = 0  # awaiting: the prompt tokens the lease must cover
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,17 @@ class PDConnectorMetadata(KVConnectorMetadata):
     pulls: list[PullSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
     renewals: list[KVParams] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PDWorkerMetadata(KVConnectorWorkerMetadata):
+    first_tokens: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, PDWorkerMetadata):  # every tensor-parallel rank reports the same token
+            self.first_tokens.update(other.first_tokens)
+        return self
 
 
 @dataclass

@@ -30,6 +30,14 @@ DO_REMOTE_PREFILL = "do_remote_prefill"
 # What the router sends a prefill: compute the prompt, keep its KV for a decode elsewhere.
 ASK_PREFILL: dict[str, Any] = {DO_REMOTE_DECODE: True}
 
+# Decode admitted ahead of its prefill (router.decode_ahead): the router picks a random key, asks
+# the prefill to file its lease under it (LEASE_KEY beside ASK_PREFILL) and sends decode an
+# AwaitParams under AWAIT. Decode's connector fetches the lease, and the prefill's first token,
+# from the producer by that key (LeaseTable.handout), then pulls as for any lease.
+AWAIT = "pdcluster_await"
+LEASE_KEY = "pdcluster_lease_key"
+KEY_CHARS = 32  # hex digits of a key: 128 random bits
+
 # Connector-private marks in a request's own params dict (never sent by clients or the router).
 PULL_PLANNED = "_pdcluster_pull_planned"  # consumer: the pull (or release) is on its way
 PREFILL_TRUNCATED = "_pdcluster_prefill_truncated"  # producer: MTP back-off applied
@@ -108,6 +116,50 @@ class KVParams:
         if out.remote_num_tokens < 0 or any(b < 0 for b in out.remote_block_ids):
             raise ValueError("kv_transfer_params malformed: negative token count or block id")
         return out
+
+
+@dataclass(frozen=True)
+class AwaitParams:
+    """What a decode request admitted ahead of its prefill carries: the key its lease will be
+    filed under, a lease the same producer signed earlier (the voucher: the consumer dials only
+    endpoints a producer of this cluster vouched for) and the unix time to give up at."""
+
+    key: str
+    voucher: KVParams
+    deadline: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {AWAIT: {"key": self.key, "voucher": self.voucher.to_dict(), "deadline": self.deadline}}
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> AwaitParams:
+        """Raise ValueError naming what is wrong."""
+        spec = params.get(AWAIT) if isinstance(params, dict) else None
+        if not isinstance(spec, dict):
+            raise ValueError(f"{AWAIT} must be an object")
+        key = spec.get("key")
+        if not valid_key(key):
+            raise ValueError(f"{AWAIT}.key must be {KEY_CHARS} hex digits")
+        try:
+            deadline = float(spec["deadline"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{AWAIT}.deadline must be a unix time") from None
+        return cls(key, KVParams.from_dict(spec.get("voucher")), deadline)
+
+
+def valid_key(key: Any) -> bool:
+    return isinstance(key, str) and len(key) == KEY_CHARS and all(c in "0123456789abcdef" for c in key)
+
+
+def wants_lease_await(params: dict[str, Any] | None) -> bool:
+    """A decode request admitted ahead of its prefill (AwaitParams)."""
+    return bool(params) and AWAIT in params
+
+
+def lease_key(params: dict[str, Any] | None) -> str:
+    """The key a prefill request asks its lease to be filed under ("" when none or malformed)."""
+    key = params.get(LEASE_KEY) if params else None
+    return key if valid_key(key) else ""
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

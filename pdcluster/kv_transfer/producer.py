@@ -26,6 +26,8 @@ from pdcluster.kv_transfer.staging import BlockGatherer, Pool
 
 logger = logging.getLogger(__name__)
 
+HANDOUT_WAIT_CAP_S = 0.05
+
 
 class KVProducer:
     def __init__(
@@ -109,3 +111,8 @@ class KVProducer:
 
     def renew(self, request_ids) -> int:
         return self.leases.renew(request_ids, self.lease_seconds)
+
+    def handouts(self, keys: Sequence[str], wait_s: float) -> dict[str, tuple[str, int]]:
+        """The leases filed under `keys` so far (LeaseTable.handouts), holding the call up to
+        wait_s (capped at HANDOUT_WAIT_CAP_S: it holds one of the server's threads) for one."""
+        return self.leases.handouts(keys, min(max(wait_s, 0.0), HANDOUT_WAIT_CAP_S))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pdcluster.errors import HandshakeError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: Handouts (leases found by key); 2: challenge-response authentication
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Producer (prefill engine), per request asking for a remote decode (params.ASK_PR
   on_new_request      trims MTP's prefill backoff off the prompt (the consumer recomputes it)
   request_finished    keeps the blocks (returns True), announces a lease to the worker, and returns
                       the request's `KVParams`: engine id, endpoints, block ids, token count, expiry
+                      (filed under the router's key too, with the first token, when it gave one)
 Consumer (decode engine), per request carrying a producer's `KVParams`:
   get_num_new_matched_tokens   the prefilled tokens beyond the local prefix-cache hit, loadable
                                asynchronously (no side effects: vLLM may ask again)
@@ -11,11 +12,17 @@ Consumer (decode engine), per request carrying a producer's `KVParams`:
                                request's newly allocated blocks (the hit is read off the blocks,
                                as vLLM's NIXL connector does)
   request_finished             a request dropped before its pull still releases P's lease
+Consumer, per request admitted ahead of its prefill (`AwaitParams`, router.decode_ahead): its
+whole prompt is claimed as an asynchronous load at once, so its blocks are allocated while the
+prefill still runs; the worker finds the lease by key, reports the prefill's first token
+(`update_connector_output`, which makes it the last prompt token) and pulls. The request is
+never computed before that token is in: the worker reports its load only after it (metadata.py).
 `build_connector_meta` hands the step's leases, pulls and releases to the worker half.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -30,7 +37,7 @@ from pdcluster.kv_transfer.metadata import (
     PullSpec,
     ReleaseSpec,
 )
-from pdcluster.kv_transfer.params import KVParams
+from pdcluster.kv_transfer.params import AwaitParams, KVParams
 from pdcluster.kv_transfer.settings import KVTransferSettings
 
 if TYPE_CHECKING:
@@ -72,6 +79,8 @@ class ConnectorScheduler:
         self._queued: dict[str, KVParams] = {}
         self._renewed_until: dict[str, float] = {}
         self._last_renewal = 0.0
+        # Consumer: requests admitted ahead of their prefill, until their first token is in.
+        self._awaiting: dict[str, tuple[Request, AwaitParams]] = {}
         # Producer: the params it hands out are signed (params.py); decode verifies before dialing.
         self._params_key = derive_key(settings.secret_value(), KV_PARAMS) if is_producer else b""
 
@@ -95,6 +104,11 @@ class ConnectorScheduler:
                 self._queued[request.request_id] = KVParams.from_dict(params)
             except ValueError:
                 return  # update_state_after_alloc says why, once
+        elif self.is_consumer and kvp.wants_lease_await(params):
+            try:
+                self._awaiting[request.request_id] = (request, AwaitParams.from_dict(params))
+            except ValueError as exc:
+                logger.warning("request %s: %s; computing its prompt locally", request.request_id, exc)
 
     def _dequeue(self, request_id: str) -> float:
         """The request's lease needs no more renewals; until when the renewals kept it."""
@@ -137,6 +151,12 @@ class ConnectorScheduler:
             return None  # update_state_after_alloc says why, once
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        awaiting = self._awaiting.get(request.request_id)
+        if awaiting is not None and not request.kv_transfer_params.get(kvp.PULL_PLANNED):
+            # The whole prompt comes with the lease (the prefill computes exactly these tokens);
+            # the first token it samples is appended before the request is computed.
+            count = request.num_prompt_tokens - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         lease = self._lease(request)
         if lease is None:
             return 0, False
@@ -145,6 +165,10 @@ class ConnectorScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        awaiting = self._awaiting.get(request.request_id)
+        if awaiting is not None and not params.get(kvp.PULL_PLANNED):
+            self._plan_awaited_pull(request, blocks, num_external_tokens, awaiting[1])
+            return
         lease = self._lease(request)
         if lease is None:
             if self.is_consumer and kvp.wants_remote_prefill(params) and not params.get(kvp.PULL_PLANNED):
@@ -175,6 +199,40 @@ class ConnectorScheduler:
             )
         self._meta.pulls.append(PullSpec(request.request_id, lease, tuple(remote), tuple(local), renewed_until))
 
+    def _plan_awaited_pull(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int, spec: AwaitParams
+    ) -> None:
+        request.kv_transfer_params[kvp.PULL_PLANNED] = True
+        if num_external_tokens <= 0:
+            # vLLM declined the load (a request that skips the prefix cache): it will compute
+            # the prompt itself, without the prefill's first token. The router sends none such.
+            logger.error("request %s admitted ahead of its prefill computes its prompt itself", request.request_id)
+            self._awaiting.pop(request.request_id, None)
+            return
+        block_ids, num_cached = compat.blocks_and_local_hit(blocks)
+        num_tokens = num_cached * self.block_size + num_external_tokens
+        total = cdiv(num_tokens, self.block_size)
+        self._meta.pulls.append(
+            PullSpec(
+                request.request_id,
+                None,
+                (),
+                tuple(block_ids[num_cached:total]),
+                awaiting=spec,
+                remote_offset=num_cached,
+                num_tokens=num_tokens,
+            )
+        )
+
+    def update_connector_output(self, output: Any) -> None:
+        """The prefill's first token of requests admitted ahead of it: their last prompt token,
+        before vLLM computes them (their load is reported in this output or a later one)."""
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        for request_id, token in getattr(meta, "first_tokens", {}).items():
+            entry = self._awaiting.pop(request_id, None)
+            if entry is not None:
+                compat.extend_prompt(entry[0], token)
+
     # -- producer (and consumer cleanup) -----------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -185,6 +243,8 @@ class ConnectorScheduler:
             return False, None
         if self.is_consumer:
             self._dequeue(request.request_id)
+            if self._awaiting.pop(request.request_id, None) is not None and params.get(kvp.PULL_PLANNED):
+                self._meta.abandoned.append(request.request_id)  # the worker stops looking
         if self.is_consumer and kvp.wants_remote_prefill(params) and not params.get(kvp.PULL_PLANNED):
             # Dropped before its blocks were allocated (abort, rejection): free P's blocks now
             # instead of leaving them to the lease timeout.
@@ -210,7 +270,6 @@ class ConnectorScheduler:
             logger.error("no KV endpoint known for engine %s; freeing blocks", self.engine_id)
             return False, None
         expiry = time.time() + self.settings.lease_seconds
-        self._meta.new_leases.append(LeaseSpec(request.request_id, tuple(block_ids), expiry))
         lease = KVParams(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
@@ -219,4 +278,10 @@ class ConnectorScheduler:
             remote_num_tokens=request.num_computed_tokens,
             remote_lease_expiry=expiry,
         ).signed(self._params_key)
+        key = kvp.lease_key(params)
+        handout = {}
+        if key:
+            first = request.output_token_ids[0] if request.num_output_tokens else -1
+            handout = {"key": key, "params": json.dumps(lease.to_dict()), "first_token": first}
+        self._meta.new_leases.append(LeaseSpec(request.request_id, tuple(block_ids), expiry, **handout))
         return True, lease.to_dict()

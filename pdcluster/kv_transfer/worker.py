@@ -12,6 +12,7 @@ blocks moved into the local cache through the staging scatterer, then the produc
 released. Completed pulls are reported as `finished_recving` after the
 compute stream was made to wait on their copy event; failed ones also as `failed_recving`, and
 vLLM recomputes or fails the request per `kv_load_failure_policy`. Every pull has a deadline.
+Pulls of requests admitted ahead of their prefill find their lease first (ahead.py).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import torch
 
 from pdcluster.errors import KVTransferError, LeaseExpiredError, UntrustedParamsError
 from pdcluster.keys import KV_PARAMS, derive_key
+from pdcluster.kv_transfer.ahead import AheadPulls
 from pdcluster.kv_transfer.failures import report_failure
 from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import PagedKVCache
 from pdcluster.kv_transfer.metadata import (
     PDConnectorMetadata,
     PDHandshakeMetadata,
+    PDWorkerMetadata,
     PullSpec,
     ReleaseSpec,
 )
@@ -104,6 +107,8 @@ class ConnectorWorker:
         self._clients_lock = threading.Lock()
         self._scatterers: Pool[BlockScatterer] | None = None
         self.stats = PDTransferStats()
+        self._pending_lock = threading.Lock()  # lookup threads add the pulls of found leases
+        self._ahead: AheadPulls | None = None
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -141,6 +146,15 @@ class ConnectorWorker:
             chunk = self.settings.max_chunk_bytes
             self._scatterers = Pool(lambda: BlockScatterer(cache, chunk))
             self._executor = ThreadPoolExecutor(max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull")
+            self._ahead = AheadPulls(
+                engine_id=self.engine_id,
+                params_key=self._params_key,
+                timeout_s=self.settings.release_timeout_seconds,
+                endpoint_for=self._endpoint,
+                connection=lambda endpoint: self._connection(endpoint, "grpc"),
+                submit_pull=self._submit_pull,
+                report_failed=self._report_failed,
+            )
 
     def _transport(self, name: str) -> Transport:
         with self._clients_lock:
@@ -189,10 +203,17 @@ class ConnectorWorker:
                     lease.block_ids,
                     now_mono + (lease.expiry_unix - now_wall),
                     ready_event=self._last_step_event,
+                    key=lease.key,
+                    handout=(lease.params, lease.first_token) if lease.key else None,
                 )
-        if self.is_consumer:
+        if self.is_consumer and self._ahead is not None:
             for pull in meta.pulls:
-                self._submit_pull(pull)
+                if pull.awaiting is not None:
+                    self._ahead.add(pull)
+                else:
+                    self._submit_pull(pull)
+            for request_id in meta.abandoned:
+                self._ahead.abandon(request_id)
             for release in meta.releases:
                 self._submit_release(release)
             if meta.renewals:
@@ -220,10 +241,11 @@ class ConnectorWorker:
                     self.stats.add("leases_released")
         recving: set[str] = set()
         failed: set[str] = set()
-        for request_id, future in list(self._pending.items()):
-            if not future.done():
-                continue
-            del self._pending[request_id]
+        with self._pending_lock:
+            done = [(request_id, f) for request_id, f in self._pending.items() if f.done()]
+            for request_id, _ in done:
+                del self._pending[request_id]
+        for request_id, future in done:
             result = future.result()
             assert self.ctx is not None
             # Attention must not read the blocks before their copies landed (also after a
@@ -239,6 +261,12 @@ class ConnectorWorker:
                 self.stats.add_failure(result.cause)
                 failed.add(request_id)
         return sending, recving, failed
+
+    def worker_meta(self) -> PDWorkerMetadata | None:
+        """First tokens of requests admitted ahead found since the last step (vLLM asks after
+        get_finished: a load reported there had its token recorded before its pull began)."""
+        tokens = self._ahead.take_first_tokens() if self._ahead is not None else {}
+        return PDWorkerMetadata(first_tokens=tokens) if tokens else None
 
     def take_stats(self) -> PDTransferStats | None:
         """Counters since the last call, or None when nothing happened."""
@@ -316,10 +344,18 @@ class ConnectorWorker:
 
     def _submit_pull(self, spec: PullSpec) -> None:
         assert self._executor is not None
-        if spec.request_id in self._pending:
-            logger.error("duplicate pull for %s ignored", spec.request_id)
-            return
-        self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
+        with self._pending_lock:
+            if spec.request_id in self._pending:
+                logger.error("duplicate pull for %s ignored", spec.request_id)
+                return
+            self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
+
+    def _report_failed(self, request_id: str, error: str, cause: str) -> None:
+        """A load that ends without a pull, reported with the next finished ones."""
+        future: Future[PullResult] = Future()
+        future.set_result(PullResult(request_id, False, error=error, cause=cause))
+        with self._pending_lock:
+            self._pending[request_id] = future
 
     def _submit_release(self, spec: ReleaseSpec) -> None:
         assert self._executor is not None
@@ -403,7 +439,9 @@ class ConnectorWorker:
             )
             if self.settings.failure_policy == "fail":
                 # Before vLLM hears of it: the engine's error for this request then says why.
-                report_failure(spec.remote.remote_request_id, spec.remote.remote_engine_id, str(exc))
+                # under the key a request admitted ahead of its prefill is known by (ahead.py)
+                reported = spec.awaiting.key if spec.awaiting is not None else spec.remote.remote_request_id
+                report_failure(reported, spec.remote.remote_engine_id, str(exc))
             # Never dial what the cluster did not vouch for, nor a lease that is gone anyway.
             if not isinstance(exc, (UntrustedParamsError, LeaseExpiredError)):
                 self._release(spec.remote, False)
@@ -445,6 +483,8 @@ class ConnectorWorker:
     # -- shutdown ----------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._ahead is not None:
+            self._ahead.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         with self._clients_lock:

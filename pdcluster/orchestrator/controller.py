@@ -193,6 +193,7 @@ class Controller:
             max_model_len=cfg.model.max_model_len,
             tokenizer_path=cfg.model.tokenizer or cfg.model.path,
             first_token_from_prefill=cfg.router.first_token_from_prefill,
+            decode_ahead=cfg.router.decode_ahead,
             migration_limit=cfg.router.migration_limit,
             local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
             slo_window_s=cfg.autoscale.window_seconds,

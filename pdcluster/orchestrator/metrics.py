@@ -212,6 +212,13 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.decode_ahead = Counter(
+            "pdcluster_decode_ahead",
+            "Continuations sent with their prefill request (router.decode_ahead): streamed, or dropped "
+            "for one sent after the prefill (its answer did not match what they assumed, or it failed)",
+            ["outcome"],
+            registry=r,
+        )
         self.migrations = Counter(
             "pdcluster_stream_migrations",
             "Decode streams that broke mid-stream, by whether another decode replica continued them",

@@ -160,6 +160,32 @@ class RenewResponse(_message.Message):
     renewed: int
     def __init__(self, renewed: _Optional[int] = ...) -> None: ...
 
+class HandoutsRequest(_message.Message):
+    __slots__ = ("keys", "consumer_engine_id", "wait_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    consumer_engine_id: str
+    wait_ms: int
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., consumer_engine_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class Handout(_message.Message):
+    __slots__ = ("key", "params_json", "first_token")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    params_json: str
+    first_token: int
+    def __init__(self, key: _Optional[str] = ..., params_json: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
+
+class HandoutsResponse(_message.Message):
+    __slots__ = ("handouts",)
+    HANDOUTS_FIELD_NUMBER: _ClassVar[int]
+    handouts: _containers.RepeatedCompositeFieldContainer[Handout]
+    def __init__(self, handouts: _Optional[_Iterable[_Union[Handout, _Mapping]]] = ...) -> None: ...
+
 class ShmPullRequest(_message.Message):
     __slots__ = ("pull", "consumed", "direct", "pid", "block_ids", "registration")
     PULL_FIELD_NUMBER: _ClassVar[int]

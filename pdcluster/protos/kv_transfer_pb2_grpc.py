@@ -35,62 +35,67 @@ class KVTransferStub:
             channel: A grpc.Channel.
         """
         self.Challenge = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/Challenge',
+                '/pdcluster.kv.v3.KVTransfer/Challenge',
                 request_serializer=kv__transfer__pb2.ChallengeRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ChallengeResponse.FromString,
                 _registered_method=True)
         self.Authenticate = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/Authenticate',
+                '/pdcluster.kv.v3.KVTransfer/Authenticate',
                 request_serializer=kv__transfer__pb2.AuthenticateRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.AuthenticateResponse.FromString,
                 _registered_method=True)
         self.Handshake = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/Handshake',
+                '/pdcluster.kv.v3.KVTransfer/Handshake',
                 request_serializer=kv__transfer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
-                '/pdcluster.kv.v2.KVTransfer/Pull',
+                '/pdcluster.kv.v3.KVTransfer/Pull',
                 request_serializer=kv__transfer__pb2.PullRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.KVChunk.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/Release',
+                '/pdcluster.kv.v3.KVTransfer/Release',
                 request_serializer=kv__transfer__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Renew = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/Renew',
+                '/pdcluster.kv.v3.KVTransfer/Renew',
                 request_serializer=kv__transfer__pb2.RenewRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.RenewResponse.FromString,
                 _registered_method=True)
+        self.Handouts = channel.unary_unary(
+                '/pdcluster.kv.v3.KVTransfer/Handouts',
+                request_serializer=kv__transfer__pb2.HandoutsRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.HandoutsResponse.FromString,
+                _registered_method=True)
         self.ShmRegister = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/ShmRegister',
+                '/pdcluster.kv.v3.KVTransfer/ShmRegister',
                 request_serializer=kv__transfer__pb2.ShmRegisterRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ShmRegisterResponse.FromString,
                 _registered_method=True)
         self.ShmPull = channel.stream_stream(
-                '/pdcluster.kv.v2.KVTransfer/ShmPull',
+                '/pdcluster.kv.v3.KVTransfer/ShmPull',
                 request_serializer=kv__transfer__pb2.ShmPullRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ShmChunk.FromString,
                 _registered_method=True)
         self.CollectiveOpen = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/CollectiveOpen',
+                '/pdcluster.kv.v3.KVTransfer/CollectiveOpen',
                 request_serializer=kv__transfer__pb2.CollectiveOpenRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.CollectiveOpenResponse.FromString,
                 _registered_method=True)
         self.CollectivePull = channel.unary_stream(
-                '/pdcluster.kv.v2.KVTransfer/CollectivePull',
+                '/pdcluster.kv.v3.KVTransfer/CollectivePull',
                 request_serializer=kv__transfer__pb2.CollectivePullRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.CollectiveProgress.FromString,
                 _registered_method=True)
         self.CollectiveStore = channel.unary_unary(
-                '/pdcluster.kv.v2.KVTransfer/CollectiveStore',
+                '/pdcluster.kv.v3.KVTransfer/CollectiveStore',
                 request_serializer=kv__transfer__pb2.CollectiveStoreRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.CollectiveStoreResponse.FromString,
                 _registered_method=True)
         self.MooncakeRead = channel.stream_stream(
-                '/pdcluster.kv.v2.KVTransfer/MooncakeRead',
+                '/pdcluster.kv.v3.KVTransfer/MooncakeRead',
                 request_serializer=kv__transfer__pb2.MooncakeReadRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.MooncakeReadProgress.FromString,
                 _registered_method=True)
@@ -130,6 +135,12 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Renew(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Handouts(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,6 +215,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=kv__transfer__pb2.RenewRequest.FromString,
                     response_serializer=kv__transfer__pb2.RenewResponse.SerializeToString,
             ),
+            'Handouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handouts,
+                    request_deserializer=kv__transfer__pb2.HandoutsRequest.FromString,
+                    response_serializer=kv__transfer__pb2.HandoutsResponse.SerializeToString,
+            ),
             'ShmRegister': grpc.unary_unary_rpc_method_handler(
                     servicer.ShmRegister,
                     request_deserializer=kv__transfer__pb2.ShmRegisterRequest.FromString,
@@ -236,9 +252,9 @@ def add_KVTransferServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pdcluster.kv.v2.KVTransfer', rpc_method_handlers)
+            'pdcluster.kv.v3.KVTransfer', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdcluster.kv.v2.KVTransfer', rpc_method_handlers)
+    server.add_registered_method_handlers('pdcluster.kv.v3.KVTransfer', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -259,7 +275,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/Challenge',
+            '/pdcluster.kv.v3.KVTransfer/Challenge',
             kv__transfer__pb2.ChallengeRequest.SerializeToString,
             kv__transfer__pb2.ChallengeResponse.FromString,
             options,
@@ -286,7 +302,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/Authenticate',
+            '/pdcluster.kv.v3.KVTransfer/Authenticate',
             kv__transfer__pb2.AuthenticateRequest.SerializeToString,
             kv__transfer__pb2.AuthenticateResponse.FromString,
             options,
@@ -313,7 +329,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/Handshake',
+            '/pdcluster.kv.v3.KVTransfer/Handshake',
             kv__transfer__pb2.HandshakeRequest.SerializeToString,
             kv__transfer__pb2.HandshakeResponse.FromString,
             options,
@@ -340,7 +356,7 @@ class KVTransfer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/Pull',
+            '/pdcluster.kv.v3.KVTransfer/Pull',
             kv__transfer__pb2.PullRequest.SerializeToString,
             kv__transfer__pb2.KVChunk.FromString,
             options,
@@ -367,7 +383,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/Release',
+            '/pdcluster.kv.v3.KVTransfer/Release',
             kv__transfer__pb2.ReleaseRequest.SerializeToString,
             kv__transfer__pb2.ReleaseResponse.FromString,
             options,
@@ -394,9 +410,36 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/Renew',
+            '/pdcluster.kv.v3.KVTransfer/Renew',
             kv__transfer__pb2.RenewRequest.SerializeToString,
             kv__transfer__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.kv.v3.KVTransfer/Handouts',
+            kv__transfer__pb2.HandoutsRequest.SerializeToString,
+            kv__transfer__pb2.HandoutsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -421,7 +464,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/ShmRegister',
+            '/pdcluster.kv.v3.KVTransfer/ShmRegister',
             kv__transfer__pb2.ShmRegisterRequest.SerializeToString,
             kv__transfer__pb2.ShmRegisterResponse.FromString,
             options,
@@ -448,7 +491,7 @@ class KVTransfer:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/pdcluster.kv.v2.KVTransfer/ShmPull',
+            '/pdcluster.kv.v3.KVTransfer/ShmPull',
             kv__transfer__pb2.ShmPullRequest.SerializeToString,
             kv__transfer__pb2.ShmChunk.FromString,
             options,
@@ -475,7 +518,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/CollectiveOpen',
+            '/pdcluster.kv.v3.KVTransfer/CollectiveOpen',
             kv__transfer__pb2.CollectiveOpenRequest.SerializeToString,
             kv__transfer__pb2.CollectiveOpenResponse.FromString,
             options,
@@ -502,7 +545,7 @@ class KVTransfer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/CollectivePull',
+            '/pdcluster.kv.v3.KVTransfer/CollectivePull',
             kv__transfer__pb2.CollectivePullRequest.SerializeToString,
             kv__transfer__pb2.CollectiveProgress.FromString,
             options,
@@ -529,7 +572,7 @@ class KVTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdcluster.kv.v2.KVTransfer/CollectiveStore',
+            '/pdcluster.kv.v3.KVTransfer/CollectiveStore',
             kv__transfer__pb2.CollectiveStoreRequest.SerializeToString,
             kv__transfer__pb2.CollectiveStoreResponse.FromString,
             options,
@@ -556,7 +599,7 @@ class KVTransfer:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/pdcluster.kv.v2.KVTransfer/MooncakeRead',
+            '/pdcluster.kv.v3.KVTransfer/MooncakeRead',
             kv__transfer__pb2.MooncakeReadRequest.SerializeToString,
             kv__transfer__pb2.MooncakeReadProgress.FromString,
             options,

@@ -13,8 +13,10 @@ router does: prefill with max_tokens=1 and do_remote_decode, then decode with th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import secrets
 import socket
 import tempfile
 import time
@@ -26,17 +28,18 @@ import httpx
 import psutil
 import pytest
 
-from pdcluster.keys import KV_PARAMS, derive_key, engine_http_token
+from pdcluster.keys import KV_PARAMS, derive_key
+from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.params import KVParams
 from tests.support.engines import MAX_MODEL_LEN, assert_engine_key_required, run_engines, tiny_engine
-from tests.support.identity import Greedy, assert_same_greedy, compare, identity_fields
+from tests.support.handoff import NAME, complete, greedy, handoff, info, through_router, wait_for
+from tests.support.identity import Greedy, assert_same_greedy, compare
 from tests.support.prompts import token_prompt
 
 pytestmark = pytest.mark.e2e
 
 BLOCK = 128  # vLLM's CPU default block size
 LEASE_S = 10
-NAME = "tiny"
 DTYPE = "float32"
 
 
@@ -80,56 +83,8 @@ def engines(tmp_path_factory, reference_engine):
         yield {"agg": reference_engine, **running}
 
 
-def complete(engine, prompt, max_tokens, **extra):
-    body = {
-        "model": NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        **identity_fields(),
-        **extra,
-    }
-    with engine.client() as client:
-        response = client.post("/v1/completions", json=body)
-    return response
-
-
-def info(engine) -> dict:
-    with engine.client() as client:
-        return client.get("/pdcluster/info").json()
-
-
-def handoff(prefill, decode, prompt, max_tokens, **extra):
-    """What the router does: returns (decode response, the params P handed over)."""
-    # the prefill's own answer is never streamed (the router asks for one token, as JSON)
-    once = {key: value for key, value in extra.items() if key != "stream"}
-    first = complete(prefill, prompt, 1, kv_transfer_params={"do_remote_decode": True}, **once)
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
-    assert params["do_remote_prefill"] and params["remote_block_ids"]
-    return complete(decode, prompt, max_tokens, kv_transfer_params=params, **extra), params
-
-
-def greedy(response: httpx.Response) -> Greedy:
-    assert response.status_code == 200, response.text
-    return Greedy.from_choice(response.json()["choices"][0])
-
-
 def assert_same(expected: Greedy, response: httpx.Response, what: str = "") -> None:
     assert_same_greedy(expected, greedy(response), DTYPE, what)
-
-
-def wait_for(predicate, timeout_s, what):
-    """Await a condition the engines report (bounded, re-checked on every answer)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 # Prompt lengths in tokens: 1 token, exactly one block, one block + 1, many blocks, near
@@ -415,41 +370,6 @@ def test_each_decode_reports_the_backend_it_uses_with_the_prefill(engines, decod
     assert backends == {"prefill": FAST[decode]}
 
 
-def through_router(engines, replicas: list[tuple[str, str, str]], requests, **settings):
-    """The router (in process, round robin) in front of `replicas` (replica id, role, url): the
-    awaited `requests(client)`'s result, the router's metrics exposition and its in-flight counts."""
-    import asyncio
-
-    from pdcluster.orchestrator.replicas import ReplicaState
-    from pdcluster.orchestrator.router import Router, RouterSettings
-
-    rows = [
-        {
-            "replica_id": rid,
-            "role": role,
-            "url": url,
-            "state": int(ReplicaState.READY),
-            "node": "127.0.0.1",
-            "stats": {},
-        }
-        for rid, role, url in replicas
-    ]
-
-    async def scenario():
-        token = engine_http_token(engines["decode"].secret)
-        router = Router(RouterSettings(model_name=NAME, policy="round_robin", engine_token=token, **settings))
-        router.update_replicas(rows)
-        url = await router.start("127.0.0.1", 0)
-        try:
-            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-                result = await requests(client)
-        finally:
-            await router.stop()
-        return result, router.metrics.exposition().decode(), router.inflight()
-
-    return asyncio.run(scenario())
-
-
 def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engines):
     """The router (in process) in front of these engines: every stream gets its first token from
     the prefill and decode continues after it, token for token what the aggregated engine says;
@@ -483,6 +403,72 @@ def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engi
         'pdcluster_retries_total{role="decode"}' in metrics and 'pdcluster_retries_total{role="prefill"}' not in metrics
     )
     assert all(count == 0 for count in inflight.values())
+
+
+def test_decode_sent_ahead_streams_what_the_aggregated_engine_says(engines):
+    """router.decode_ahead: the continuation leaves with the prefill request and the decode engine
+    finds the lease and the first token by key. Every stream after the first (whose lease becomes
+    the voucher of the prefill's endpoints) goes that way, and each is token for token, usage
+    included, what the aggregated engine answers."""
+    prompts = [token_prompt(60 + 71 * i, offset=5000 + 89 * i) for i in range(5)]
+    expected = [complete(engines["agg"], p, 10).json() for p in prompts]
+    replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
+
+    async def requests(client):
+        answers = []
+        for prompt in prompts:
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            body.update(stream=True, stream_options={"include_usage": True})
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                events = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
+            text = "".join(c["text"] for e in events for c in e["choices"])
+            answers.append((text, [e["usage"] for e in events if e.get("usage")]))
+        return answers
+
+    answers, metrics, inflight = through_router(engines, replicas, requests, decode_ahead=True)
+    for (text, usage), reference in zip(answers, expected):
+        assert text == reference["choices"][0]["text"]
+        assert [{k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} for u in usage] == [
+            {k: reference["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        ]
+    assert f'pdcluster_decode_ahead_total{{outcome="streamed"}} {len(prompts) - 1}.0' in metrics
+    assert 'outcome="dropped"' not in metrics
+    assert all(count == 0 for count in inflight.values())
+
+
+def test_a_request_admitted_ahead_whose_lease_never_comes_ends_with_the_reason_and_frees_its_blocks(engines):
+    """A decode request admitted ahead of a prefill that never files its lease (here: a key no
+    prefill was given) is never computed without the prefill's first token: at its deadline the
+    engine aborts it and its stream says why; one whose client leaves while it waits is dropped.
+    Either way its blocks come back and the engine serves on."""
+    decode = engines["decode"]
+    voucher = handoff(engines["prefill"], decode, token_prompt(60, offset=777), 2)[1]
+    wait_for(lambda: info(decode)["stats"]["kv_cache_usage"] == 0.0, 30, "idle D")
+    before = info(decode)["stats"]["kv_pull_failures"].get("abandoned", 0)
+
+    def ahead(deadline_s):
+        spec = kvp.AwaitParams(secrets.token_hex(16), KVParams.from_dict(voucher), time.time() + deadline_s)
+        body = {"model": NAME, "prompt": token_prompt(300, offset=4321), "max_tokens": 5, "stream": True}
+        return {**body, "kv_transfer_params": spec.to_dict()}
+
+    with decode.client() as client:
+        answer = client.post("/v1/completions", json=ahead(2))
+    events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    assert len(events) == 1 and events[0]["error"]["type"] == "kv_transfer_error", answer.text
+    assert "admitted ahead of its prefill" in events[0]["error"]["message"]
+
+    async def leave_while_it_waits():
+        async with httpx.AsyncClient(base_url=decode.url, headers=decode.headers, timeout=30) as client:
+            async with client.stream("POST", "/v1/completions", json=ahead(120)) as response:
+                assert response.status_code == 200
+                # it holds its blocks while it waits for the lease
+                await asyncio.to_thread(wait_for, lambda: info(decode)["stats"]["kv_cache_usage"] > 0, 30, "held")
+
+    asyncio.run(leave_while_it_waits())
+    stats = wait_for(lambda: (s := info(decode)["stats"])["kv_cache_usage"] == 0.0 and s, 30, "blocks back")
+    assert stats["kv_pull_failures"].get("abandoned", 0) == before + 2
+    assert greedy(complete(decode, token_prompt(20), 3))
 
 
 def test_fail_policy_through_the_router_gives_clear_errors_and_abandoned_leases_expire(engines):

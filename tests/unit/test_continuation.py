@@ -132,3 +132,20 @@ def test_continuation_stream_reads_as_the_clients_own_request():
     completions = cont.first_token(prefill_answer("completions"), "completions", lease())
     out = cont.rewrite(json.loads(json.dumps(chunk)), "completions", completions)
     assert (out["id"], out["object"], out["choices"]) == ("cmpl-p", "text_completion", chunk["choices"])
+
+
+def test_the_continuation_sent_ahead_is_over_the_prompt_and_counts_the_first_token_as_output():
+    """router.decode_ahead: the continuation leaves before the first token is known, so it is
+    over the prompt alone (decode appends the token when its lease comes) and its usage, which
+    counts no first token, gets it added as an output token."""
+    first = cont.first_token(prefill_answer("completions"), "completions", lease())
+    params = {"pdcluster_await": {"key": "k"}}
+    body = cont.ahead_body({**BASE, "min_tokens": 4}, "completions", [11, 12, 13], params)
+    assert body["prompt"] == [11, 12, 13]
+    assert (body["max_tokens"], body["min_tokens"], body["kv_transfer_params"]) == (7, 3, params)
+    usage = {"id": "cmpl-d", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}
+    assert cont.rewrite(usage, "completions", first, ahead=True)["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 8,
+        "total_tokens": 11,
+    }

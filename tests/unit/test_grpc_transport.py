@@ -254,3 +254,38 @@ def test_renewals_keep_queued_leases_and_skip_ended_ones(producer_server):
     # Past its first deadline the renewed lease is still held; the released one is not.
     assert [lease.request_id for lease in producer.leases.collect_finished(time.monotonic() + 2)] == ["req-r"]
     assert len(producer.leases) == 1
+
+
+def test_a_lease_filed_under_a_key_is_handed_out_by_it_also_after_it_ended(producer_server):
+    """Handouts (router.decode_ahead): a consumer that never knew the producer's request id finds
+    the signed lease and the first token by the router's key; only keys with a registered lease
+    answer; an ended lease still hands out its first token (the pull then fails as for any)."""
+    producer, server, transport = producer_server
+    client = transport.connect(server.address)
+    try:
+        client.handshake(make_cache(fill="zeros").layout, "decode-0")
+        lookup = {"engine_id": "decode-0", "wait_s": 0.0, "timeout_s": 5}
+        assert client.handouts(["a" * 32], **lookup) == {}
+        producer.leases.add("req-1", [3], time.monotonic() + 30, key="a" * 32, handout=('{"lease": 1}', 42))
+        producer.leases.add("req-2", [4], time.monotonic() + 30)  # filed under no key
+        assert client.handouts(["a" * 32, "b" * 32], **lookup) == {"a" * 32: ('{"lease": 1}', 42)}
+        assert client.release("req-1", transferred=True, engine_id="decode-0", timeout_s=5)
+        assert [lease.request_id for lease in producer.leases.collect_finished()] == ["req-1"]
+        assert client.handouts(["a" * 32], **lookup) == {"a" * 32: ('{"lease": 1}', 42)}
+    finally:
+        client.close()
+
+
+def test_a_lookup_held_by_the_producer_returns_as_the_lease_comes():
+    """The producer holds a lookup while none of its keys has a lease, and answers as soon as one
+    is registered (the registration below happens while the lookup waits: it is what ends it)."""
+    from pdcluster.kv_transfer.leases import LeaseTable
+
+    table = LeaseTable()
+    found: list[dict] = []
+    waiting = threading.Thread(target=lambda: found.append(table.handouts(["c" * 32], wait_s=30)))
+    waiting.start()
+    table.add("req-3", [1], time.monotonic() + 30, key="c" * 32, handout=("{}", 7))
+    waiting.join(30)
+    assert found == [{"c" * 32: ("{}", 7)}]
+    assert table.handouts(["d" * 32], wait_s=0.01) == {}  # a key never filed: empty after the hold

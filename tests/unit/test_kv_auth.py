@@ -13,6 +13,7 @@ import torch
 from pdcluster.errors import AuthenticationError, KVTransferError
 from pdcluster.kv_transfer.auth import AUTH_METADATA_KEY, ClientAuth
 from pdcluster.kv_transfer.producer import KVProducer
+from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
 from pdcluster.kv_transfer.settings import KVTransferSettings, TLSSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport
@@ -89,7 +90,7 @@ def test_a_wrong_secret_gets_no_session(server):
 
 def test_replayed_or_misdirected_call_credentials_are_refused(server):
     producer, srv = server
-    handshake = pb.HandshakeRequest(protocol_version=2, engine_id="decode-0").SerializeToString()
+    handshake = pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, engine_id="decode-0").SerializeToString()
     with grpc.insecure_channel(srv.address) as channel:
         _, session = open_session(channel)
         token = session.token("Handshake")

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from pdcluster.engine.kv_errors import KVErrorAnswers
 from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, MAX_KEPT, FailureInbox
-from pdcluster.kv_transfer.params import KVParams
+from pdcluster.kv_transfer.params import AWAIT, AwaitParams, KVParams
 
 
 def params(lease: str) -> dict:
@@ -27,6 +27,12 @@ def params(lease: str) -> dict:
 
 async def completions(request):
     body = await request.json()
+    if body.get("stream") and AWAIT in (body.get("kv_transfer_params") or {}):
+
+        async def aborted():  # vLLM ends an aborted stream with no event of its own
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(aborted(), media_type="text/event-stream")
     if body.get("stream"):
 
         async def events():
@@ -38,10 +44,10 @@ async def completions(request):
     return JSONResponse({"error": {"message": "Internal server error", "code": 500}}, status_code=500)
 
 
-def report_from_another_process(inbox: FailureInbox, lease: str, reason: str) -> None:
+def report_from_another_process(inbox: FailureInbox, lease: str, reason: str, abort: str = "") -> None:
     code = (
         "from pdcluster.kv_transfer.failures import report_failure; "
-        f"report_failure({lease!r}, 'c-prefill-0', {reason!r})"
+        f"report_failure({lease!r}, 'c-prefill-0', {reason!r}, abort={abort!r})"
     )
     env = {**os.environ, FAILURE_SOCKET_ENV: inbox.path}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
@@ -85,7 +91,7 @@ def test_other_requests_and_other_leases_pass_through():
         report_from_another_process(inbox, "lease-2", "timed out")
         assert call(inbox, {"prompt": [1]}).status_code == 500  # no lease: vLLM's answer as is
         assert call(inbox, {"prompt": [1], "kv_transfer_params": params("lease-9")}).status_code == 500
-        assert inbox.take("lease-2") == ("c-prefill-0", "timed out")
+        assert inbox.take("lease-2") == ("c-prefill-0", "timed out", False)
     finally:
         inbox.close()
 
@@ -118,5 +124,29 @@ def test_reports_nobody_reads_never_block_the_sender():
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
         kept = [i for i in range(3000 - MAX_KEPT, 3000) if inbox.take(f"lease-{i}")]
         assert kept  # read as they came, the newest MAX_KEPT kept
+    finally:
+        inbox.close()
+
+
+def test_a_request_admitted_ahead_whose_lease_never_came_is_aborted_and_says_why():
+    """ahead.py gives up on a request whose lease never came: the engine host aborts it (the
+    inbox calls on_abort with vLLM's request id) and its stream, which vLLM ends with no event,
+    gets the reason as an error event before its end, found by the request's key."""
+    aborted: list[str] = []
+    inbox = FailureInbox(on_abort=aborted.append)
+    key = "e" * 32
+    try:
+        report_from_another_process(inbox, key, "its prefill's lease did not come", abort="cmpl-1-0-ab")
+        inbox.drain()  # the reader thread may have moved it already: on_abort runs once either way
+        assert aborted == ["cmpl-1-0-ab"]
+        ahead = AwaitParams(key, KVParams.from_dict(params("lease-4")), 1e10).to_dict()
+        response = call(inbox, {"prompt": [1], "stream": True, "kv_transfer_params": ahead})
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        assert len(events) == 1 and events[0]["error"]["type"] == "kv_transfer_error"
+        assert events[0]["error"]["message"] == (
+            "KV handoff from c-prefill-0 to c-decode-0 failed and no lease came for a request admitted "
+            "ahead of its prefill: its prefill's lease did not come"
+        )
+        assert response.text.rstrip().endswith("data: [DONE]")
     finally:
         inbox.close()

@@ -92,3 +92,21 @@ def test_missing_key_is_named():
         KVParams.from_dict(params)
     with pytest.raises(ValueError, match="must be an object"):
         KVParams.from_dict(["not", "a", "dict"])
+
+
+def test_await_params_round_trip_and_name_what_is_wrong():
+    voucher = KVParams("p", "r", ("127.0.0.1:1",), (1,), 10, 1e10)
+    spec = kvp.AwaitParams("0123456789abcdef" * 2, voucher, 123.5)
+    params = json.loads(json.dumps(spec.to_dict()))
+    assert kvp.wants_lease_await(params) and not kvp.wants_remote_prefill(params)
+    assert kvp.AwaitParams.from_dict(params) == spec
+    for bad, message in [
+        ({"key": "xyz", "voucher": voucher.to_dict(), "deadline": 1}, "hex digits"),
+        ({"key": "a" * 32, "voucher": voucher.to_dict()}, "deadline"),
+        ({"key": "a" * 32, "deadline": 1}, "must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            kvp.AwaitParams.from_dict({kvp.AWAIT: bad})
+    assert kvp.lease_key({**kvp.ASK_PREFILL, kvp.LEASE_KEY: "a" * 32}) == "a" * 32
+    assert kvp.lease_key({**kvp.ASK_PREFILL, kvp.LEASE_KEY: "not hex"}) == ""
+    assert kvp.lease_key(kvp.ASK_PREFILL) == ""

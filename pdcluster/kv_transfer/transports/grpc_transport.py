@@ -142,6 +142,14 @@ class _Servicer:
     def renew(self, request: pb.RenewRequest, session: ServerSession, context) -> pb.RenewResponse:
         return pb.RenewResponse(renewed=self.producer.renew(list(request.request_ids)))
 
+    def handouts(self, request: pb.HandoutsRequest, session: ServerSession, context) -> pb.HandoutsResponse:
+        found = self.producer.handouts(list(request.keys), request.wait_ms / 1000)
+        return pb.HandoutsResponse(
+            handouts=[
+                pb.Handout(key=key, params_json=params, first_token=token) for key, (params, token) in found.items()
+            ]
+        )
+
 
 class GrpcServer(TransportServer):
     """The producer's control server: the gRPC pull, plus each extension's RPCs."""
@@ -168,6 +176,9 @@ class GrpcServer(TransportServer):
             "Pull": rpc.unary_stream(authorize, "Pull", pb.PullRequest, servicer.pull, None),
             "Release": rpc.unary_unary(authorize, "Release", pb.ReleaseRequest, pb.ReleaseResponse, servicer.release),
             "Renew": rpc.unary_unary(authorize, "Renew", pb.RenewRequest, pb.RenewResponse, servicer.renew),
+            "Handouts": rpc.unary_unary(
+                authorize, "Handouts", pb.HandoutsRequest, pb.HandoutsResponse, servicer.handouts
+            ),
         }
         for extension in self._extensions:
             handlers.update(extension.handlers(authorize))
@@ -228,6 +239,11 @@ class GrpcClient(TransportClient):
             f"/{SERVICE}/Renew",
             request_serializer=pb.RenewRequest.SerializeToString,
             response_deserializer=pb.RenewResponse.FromString,
+        )
+        self._handouts = self.channel.unary_unary(
+            f"/{SERVICE}/Handouts",
+            request_serializer=pb.HandoutsRequest.SerializeToString,
+            response_deserializer=pb.HandoutsResponse.FromString,
         )
         self._digest: int | None = None
         self._remote_layout: KVLayout | None = None
@@ -353,6 +369,22 @@ class GrpcClient(TransportClient):
                 return self._renew(request, metadata=self.control.metadata("Renew"), timeout=timeout_s).renewed
             except grpc.RpcError as exc:
                 raise translate(exc, self.endpoint, "KV lease renewal") from None
+
+        return self.control.call(call)
+
+    def handouts(
+        self, keys: Sequence[str], *, engine_id: str, wait_s: float, timeout_s: float
+    ) -> dict[str, tuple[str, int]]:
+        """key -> (signed lease as JSON, first token) of the keys whose lease the producer has
+        registered; it holds the call up to wait_s while it has none of them."""
+        request = pb.HandoutsRequest(keys=list(keys), consumer_engine_id=engine_id, wait_ms=int(wait_s * 1000))
+
+        def call() -> dict[str, tuple[str, int]]:
+            try:
+                reply = self._handouts(request, metadata=self.control.metadata("Handouts"), timeout=timeout_s + wait_s)
+            except grpc.RpcError as exc:
+                raise translate(exc, self.endpoint, "KV lease lookup") from None
+            return {h.key: (h.params_json, h.first_token) for h in reply.handouts}
 
         return self.control.call(call)
 

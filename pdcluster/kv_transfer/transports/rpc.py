@@ -45,7 +45,7 @@ from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVICE = "pdcluster.kv.v2.KVTransfer"
+SERVICE = "pdcluster.kv.v3.KVTransfer"
 CONTROL_LIMIT = 1 << 20  # what a KV server accepts in one message (control only; KV flows out)
 BULK_LIMIT = 256 << 20  # what a KV client accepts from the server it authenticated
 T = TypeVar("T")

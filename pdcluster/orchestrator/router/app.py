@@ -201,6 +201,9 @@ class Router:
                 h.prompt = await self.tokens.prompt(body, kind)
                 await self.pool.cache.prepare(h.prompt)
                 h.tokens = h.prompt.count
+            elif self.phases.wants_prompt_ids(h):  # a continuation sent ahead carries them
+                h.prompt = await self.tokens.prompt(body, kind)
+                h.tokens = h.prompt.count
             else:
                 h.tokens = await self.tokens.count(body, kind)
             if h.stream:

@@ -10,6 +10,15 @@ is pulled as before (the producer computed exactly those prompt tokens); decode 
 new position. No token reaches the client later than on the classic path; the first one arrives
 a handoff earlier.
 
+With `router.decode_ahead` (default on) the continuation does not wait for the prefill's answer:
+it leaves with the prefill request, over the prompt's token ids as the router tokenized them
+(`ahead_body`), carrying a key instead of a lease (kv_transfer/params.AwaitParams). The decode
+engine admits it, allocates its blocks, and its connector finds the lease and the prefill's
+first token by that key at the producer (kv_transfer/ahead.py), appends the token to the prompt
+and computes from there: the lease and the token reach decode without passing through the
+router and decode's HTTP front end. The router streams that answer only once the prefill's own
+answer shows the same prompt ids and producer; otherwise it is dropped for the path above.
+
 Only requests whose meaning survives the split take this path: streaming, one choice, and only
 fields that mean the same for the continuation (`CONTINUABLE_FIELDS`), with the model's own
 generation defaults (generation_config.json) counted as if the client had sent them. Anything
@@ -181,6 +190,28 @@ def decode_body(
     defaults: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The continuation request for the decode replica (sent to CONTINUATION_PATH)."""
+    return _continuation_body(body, kind, [*first.prompt_ids, first.token_id], kv_params, defaults)
+
+
+def ahead_body(
+    body: dict[str, Any],
+    kind: str,
+    prompt_ids: list[int],
+    kv_params: dict[str, Any],
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The continuation sent with the prefill request (router.decode_ahead): over the prompt
+    alone, the first token to come with the lease (`kv_params`: AwaitParams.to_dict())."""
+    return _continuation_body(body, kind, list(prompt_ids), kv_params, defaults)
+
+
+def _continuation_body(
+    body: dict[str, Any],
+    kind: str,
+    prompt: list[int],
+    kv_params: dict[str, Any],
+    defaults: dict[str, Any] | None,
+) -> dict[str, Any]:
     body = with_defaults(body, kind, defaults or {})
     out = {
         key: value
@@ -192,9 +223,7 @@ def decode_body(
     if body.get("min_tokens"):
         out["min_tokens"] = max(0, int(body["min_tokens"]) - 1)
     # the token ids let the stream move to another decode replica if this one fails (migration.py)
-    out.update(
-        prompt=[*first.prompt_ids, first.token_id], stream=True, kv_transfer_params=kv_params, return_token_ids=True
-    )
+    out.update(prompt=prompt, stream=True, kv_transfer_params=kv_params, return_token_ids=True)
     return out
 
 
@@ -242,13 +271,19 @@ def prelude(first: FirstToken, kind: str, body: dict[str, Any]) -> list[dict[str
     return events
 
 
-def rewrite(event: dict[str, Any], kind: str, first: FirstToken, generated: int = 1) -> dict[str, Any]:
+def rewrite(
+    event: dict[str, Any], kind: str, first: FirstToken, generated: int = 1, ahead: bool = False
+) -> dict[str, Any]:
     """One (parsed, not an error) event of a continuation after `generated` tokens the client
     already has, as the client's request would have produced it: the first response's id, the
-    chat format for chat requests, usage counting those tokens."""
+    chat format for chat requests, usage counting those tokens (`ahead`: the continuation's
+    prompt did not hold them, ahead_body)."""
     usage = event.get("usage")
     if usage:
-        usage["prompt_tokens"] = usage.get("prompt_tokens", generated) - generated
+        if ahead:
+            usage["total_tokens"] = usage.get("total_tokens", 0) + generated
+        else:
+            usage["prompt_tokens"] = usage.get("prompt_tokens", generated) - generated
         usage["completion_tokens"] = usage.get("completion_tokens", 0) + generated
     choices = event.get("choices") or []
     if kind == "chat":

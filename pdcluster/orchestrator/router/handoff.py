@@ -8,7 +8,10 @@ Disaggregated mode:
      remote decode to a prefill replica; a prefill error goes straight back to the client;
   3. decode: POST the original request plus the returned kv_transfer_params to the chosen decode
      replica and relay its answer (SSE stream or JSON). Streaming requests that allow it get the
-     prefill's first token at once, and the decode replica continues after it (continuation.py).
+     prefill's first token at once, and the decode replica continues after it (continuation.py);
+     with router.decode_ahead that continuation leaves with the prefill request and finds its
+     lease by key (`Ahead`), and is dropped for the one sent after the prefill when the prefill's
+     answer does not match what it assumed.
 Requests for several choices (`n` > 1) skip the prefill: the decode replica computes the prompt
 once and its children share it (vLLM's parallel sampling over its own prefix cache); one lease
 would be used up by the first child's pull. Aggregated mode sends the request to one replica.
@@ -49,6 +52,7 @@ from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation, migration
+from pdcluster.orchestrator.router.ahead import Ahead
 from pdcluster.orchestrator.router.cache_index import Prompt
 from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
 from pdcluster.orchestrator.router.relay import (
@@ -95,6 +99,7 @@ class Handoff:
     excluded: dict[str, list[str]] = field(default_factory=dict)  # role -> replicas that failed it
     params: dict[str, Any] | None = None  # kv_transfer_params of the current lease
     first: continuation.FirstToken | None = None  # the prefill's first token, if decode continues
+    ahead: Ahead | None = None  # the continuation sent with the prefill, once the prefill matched it
     delivered: bool = False  # bytes went to the client
     routed: bool = False  # its path is decided and counted (PhaseRunner._route)
     outcome: str = "ok"
@@ -161,6 +166,13 @@ class PhaseRunner:
         self.settings, self.pool, self.metrics = settings, pool, metrics
         self.http: httpx.AsyncClient | None = None  # the router's client, set when it starts
         self._faults = random.Random(0)
+        # The latest lease of each prefill replica: vouches for its KV endpoints to a decode
+        # engine that looks a lease up there before the prefill answered (router.decode_ahead).
+        self._vouchers: dict[str, KVParams] = {}
+
+    def wants_prompt_ids(self, h: Handoff) -> bool:
+        """Does this request's path need its prompt's token ids (a continuation sent ahead)?"""
+        return self.settings.decode_ahead and h.continuing
 
     def handoff(self, body: dict[str, Any], kind: str, started: float) -> Handoff:
         continuing = (
@@ -249,7 +261,7 @@ class PhaseRunner:
             raise NoReplicaError(exhausted(replica.role, excluded)) from failure
         self.metrics.retries.labels(replica.role).inc()
         if reached and replica.role == "decode":
-            h.params = h.first = None  # the lease may be used up: prefill again for a fresh one
+            h.params = h.first = h.ahead = None  # the lease may be used up: prefill again for a fresh one
 
     async def _prefill_or_alone(self, h: Handoff) -> Response | None:
         """The prefill pass; when the last prefill replica left meanwhile, decode computes the
@@ -269,11 +281,36 @@ class PhaseRunner:
         assert self.http is not None
         prefill = h.prefill = h.choose("prefill")
         h.request_id = uuid.uuid4().hex
+        ahead = self._send_ahead(h, prefill)
         started = time.perf_counter()
         try:
-            response = await post(self.http, prefill, h.path, self._prefill_body(h), False, h.request_id)
+            response = await post(self.http, prefill, h.path, self._prefill_body(h, ahead), False, h.request_id)
+            return self._prefilled(h, prefill, response, started, ahead)
         finally:
             h.drop(prefill)
+            if ahead is not None:
+                self.metrics.decode_ahead.labels("streamed" if h.ahead is ahead else "dropped").inc()
+                if h.ahead is not ahead:
+                    ahead.drop()
+
+    def _send_ahead(self, h: Handoff, prefill: ReplicaLoad) -> Ahead | None:
+        """Send the continuation now, with the prefill request, when the router knows the
+        prompt's ids and has a voucher for this prefill replica (its first request goes the
+        usual way)."""
+        voucher = self._vouchers.get(prefill.replica_id)
+        ids = h.prompt.ids if h.prompt is not None else None
+        if not (self.wants_prompt_ids(h) and voucher is not None and ids and h.answering is not None):
+            return None
+        assert self.http is not None
+        deadline = time.time() + max(0.0, h.deadline - time.perf_counter())
+        body = functools.partial(
+            continuation.ahead_body, h.body, h.kind, ids, defaults=self.settings.generation_defaults
+        )
+        return Ahead.send(self.http, h.answering, h.request_id, body, ids, voucher, deadline)
+
+    def _prefilled(
+        self, h: Handoff, prefill: ReplicaLoad, response: httpx.Response, started: float, ahead: Ahead | None
+    ) -> Response | None:
         elapsed = time.perf_counter() - started
         self.metrics.prefill.observe(elapsed)
         self.metrics.window(prefill.replica_id).phase.add(elapsed)
@@ -292,13 +329,19 @@ class PhaseRunner:
             return error_response(503, "injected fault: request abandoned after prefill", "fault_injection")
         h.params = lease.to_dict()  # what the decode request carries: the lease, nothing else
         h.first = continuation.first_token(answer, h.kind, lease) if h.continuing else None
+        self._vouchers[prefill.replica_id] = lease
+        if ahead is not None and ahead.matches(h.first, lease):
+            h.ahead = ahead
         self.metrics.first_token_source.labels("prefill" if h.first is not None else "decode").inc()
         return None
 
     @staticmethod
-    def _prefill_body(h: Handoff) -> dict[str, Any]:
+    def _prefill_body(h: Handoff, ahead: Ahead | None) -> dict[str, Any]:
         body = {key: value for key, value in h.body.items() if key not in PREFILL_DROPS}
-        body.update(stream=False, max_tokens=1, kv_transfer_params=dict(kvp.ASK_PREFILL))
+        params = dict(kvp.ASK_PREFILL)
+        if ahead is not None:
+            params[kvp.LEASE_KEY] = ahead.key
+        body.update(stream=False, max_tokens=1, kv_transfer_params=params)
         if h.kind == "chat":
             body["max_completion_tokens"] = 1
         if body.get("min_tokens"):
@@ -428,7 +471,10 @@ class PhaseRunner:
         assert h.first is not None and h.params is not None
         relay = Relay(h)
         body = continuation.decode_body(h.body, h.kind, h.first, h.params, self.settings.generation_defaults)
-        self._dispatch(h, relay, body)
+        if h.ahead is not None:
+            relay.pending = h.ahead.pending  # already on its way; `body` only if it fails
+        else:
+            self._dispatch(h, relay, body)
         return RelayResponse(self._continue(h, relay, body), relay, h.served_by())
 
     def _dispatch(self, h: Handoff, relay: Relay, body: dict[str, Any]) -> None:
@@ -450,12 +496,14 @@ class PhaseRunner:
             yield "".join(f"data: {json.dumps(event)}\n\n" for event in prelude).encode()
             h.delivered = True
             progress = self._progress(h)
+            ahead = h.ahead is not None
             while True:
                 try:
                     upstream = await relay.pending
                     break
                 except PhaseFailed as failure:
                     relay.pending = None
+                    ahead = False
                     if isinstance(failure, ReachedThenFailed) and progress is not None and progress.can_resume:
                         # it may have used up the lease: continue elsewhere from the first token
                         async for chunk in self._relayed(h, relay, None, clock, None, progress, failure.cause):
@@ -469,7 +517,7 @@ class PhaseRunner:
                 h.outcome = outcome_for(upstream.status_code, raw)
                 yield f"data: {raw.decode(errors='replace')}\n\n".encode()
                 return
-            rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first)
+            rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first, ahead=ahead)
             async for chunk in self._relayed(h, relay, upstream, clock, rewrite, progress):
                 yield chunk
         except httpx.HTTPError as exc:  # the decode replica's answer did not come (a timeout)

@@ -1,0 +1,162 @@
+"""Consumer: requests admitted ahead of their prefill (router.decode_ahead) find their lease.
+
+The scheduler admits such a request at once and plans its pull without a lease (`PullSpec`
+with `awaiting`: the router's key, a lease the same producer signed earlier as the voucher of
+its endpoints, a deadline). Here, one lookup thread per producer asks it for the leases of the
+requests awaiting it, by key (`Handouts`; the producer holds the call a moment while none is in),
+until each is found or its deadline passes:
+
+- found: the lease must verify (signed by a producer of this cluster) and carry the prefill's
+  first token. The token is recorded for the scheduler (`take_first_tokens`, sent as worker
+  metadata) *before* the pull is submitted, so a load vLLM hears of has had its token sent in
+  the same step's metadata or an earlier one; the scheduler makes it the last prompt token.
+- never found (the prefill failed, the producer is unreachable, the deadline passed): the
+  request has no first token and must not be computed, so its load is not reported. The
+  engine's API process is asked to abort it (failures.report_failure with the request id); once
+  the scheduler says it ended (`abandon`), its load is reported as failed, which frees its blocks
+  (vLLM frees a request's blocks only once its load is reported).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pdcluster.errors import KVTransferError, UntrustedParamsError
+from pdcluster.kv_transfer.failures import report_failure
+from pdcluster.kv_transfer.metadata import PullSpec
+from pdcluster.kv_transfer.params import KVParams
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_HOLD_S = 0.02  # how long a producer may hold a lookup while none of its keys is in
+
+
+class AheadPulls:
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        params_key: bytes,
+        timeout_s: float,
+        endpoint_for: Callable[[KVParams], str],
+        connection: Callable[[str], Any],
+        submit_pull: Callable[[PullSpec], None],
+        report_failed: Callable[[str, str, str], None],
+    ):
+        self.engine_id = engine_id
+        self._params_key = params_key
+        self._timeout_s = timeout_s
+        self._endpoint_for = endpoint_for  # verifies the voucher (raises KVTransferError)
+        self._connection = connection  # a gRPC client of an endpoint
+        self._submit_pull = submit_pull
+        self._report_failed = report_failed  # (request id, error, cause): a failed load for vLLM
+        self._lock = threading.Lock()
+        self._awaiting: dict[str, tuple[str, PullSpec]] = {}  # request id -> (endpoint, pull)
+        self._given_up: set[str] = set()  # never found: load unreported until abandoned
+        self._first_tokens: dict[str, int] = {}  # found, not yet told to the scheduler
+        self._lookups: set[str] = set()  # endpoints with a lookup thread running
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-lease-lookup")
+
+    def add(self, spec: PullSpec) -> None:
+        assert spec.awaiting is not None
+        try:
+            endpoint = self._endpoint_for(spec.awaiting.voucher)  # only what a producer vouched for
+        except KVTransferError as exc:
+            with self._lock:
+                self._given_up.add(spec.request_id)
+            self._abort(spec, str(exc))
+            return
+        with self._lock:
+            self._awaiting[spec.request_id] = (endpoint, spec)
+            if endpoint in self._lookups:
+                return
+            self._lookups.add(endpoint)
+        self._pool.submit(self._look_up, endpoint)
+
+    def take_first_tokens(self) -> dict[str, int]:
+        with self._lock:
+            tokens, self._first_tokens = self._first_tokens, {}
+        return tokens
+
+    def abandon(self, request_id: str) -> None:
+        """The scheduler says an awaiting request ended: stop looking, and report its load (a
+        request whose lease was found reports through its pull instead)."""
+        with self._lock:
+            awaited = self._awaiting.pop(request_id, None) is not None
+            given_up = request_id in self._given_up
+            self._given_up.discard(request_id)
+        if awaited or given_up:
+            self._report_failed(request_id, "the request ended before its prefill's lease came", "abandoned")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._awaiting.clear()  # lookup threads end at their next turn
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- lookup threads ------------------------------------------------------------------------
+
+    def _look_up(self, endpoint: str) -> None:
+        """Ask one producer for the leases of the requests awaiting it, until none awaits."""
+        while True:
+            with self._lock:
+                waiting = {spec.awaiting.key: spec for ep, spec in self._awaiting.values() if ep == endpoint}
+                if not waiting:
+                    self._lookups.discard(endpoint)
+                    return
+            now = time.time()
+            for key, spec in list(waiting.items()):
+                if now > spec.awaiting.deadline:
+                    del waiting[key]
+                    self._give_up(spec, "its prefill's lease did not come before the request's deadline")
+            if not waiting:
+                continue
+            try:
+                found = self._connection(endpoint).handouts(
+                    list(waiting), engine_id=self.engine_id, wait_s=LOOKUP_HOLD_S, timeout_s=self._timeout_s
+                )
+            except Exception as exc:  # noqa: BLE001 - runs on the lookup pool: nothing may escape unseen
+                for spec in waiting.values():
+                    self._give_up(spec, f"looking its lease up on {endpoint} failed: {type(exc).__name__}: {exc}")
+                continue
+            for key, (params, token) in found.items():
+                if key in waiting:
+                    self._found(waiting[key], params, token)
+
+    def _found(self, spec: PullSpec, params_json: str, token: int) -> None:
+        """A lease came for an awaiting request: its first token to the scheduler, then its pull."""
+        try:
+            lease = KVParams.from_dict(json.loads(params_json))
+            if not lease.verify(self._params_key):
+                raise UntrustedParamsError(f"the lease handed out for {spec.request_id} is not signed by this cluster")
+            if token < 0:
+                raise KVTransferError(f"the lease handed out for {spec.request_id} carries no first token")
+        except (ValueError, KVTransferError) as exc:
+            self._give_up(spec, str(exc))
+            return
+        with self._lock:
+            if self._awaiting.pop(spec.request_id, None) is None:
+                return  # abandoned meanwhile
+            self._first_tokens[spec.request_id] = token
+        offset, count = spec.remote_offset, len(spec.local_block_ids)
+        remote = lease.remote_block_ids[offset : offset + count]
+        if lease.remote_num_tokens != spec.num_tokens:
+            remote = ()  # the producer computed another prompt length: the pull fails, vLLM recomputes
+        self._submit_pull(PullSpec(spec.request_id, lease, tuple(remote), spec.local_block_ids, awaiting=spec.awaiting))
+
+    def _give_up(self, spec: PullSpec, reason: str) -> None:
+        with self._lock:
+            if self._awaiting.pop(spec.request_id, None) is None:
+                return  # found or abandoned meanwhile
+            self._given_up.add(spec.request_id)
+        self._abort(spec, reason)
+
+    def _abort(self, spec: PullSpec, reason: str) -> None:
+        assert spec.awaiting is not None
+        logger.error("request %s admitted ahead of its prefill: %s; aborting it", spec.request_id, reason)
+        report_failure(spec.awaiting.key, spec.awaiting.voucher.remote_engine_id, reason, abort=spec.request_id)

@@ -1,0 +1,72 @@
+"""A continuation sent with its prefill request (router.decode_ahead; continuation.py).
+
+The decode request leaves with the prefill request, over the prompt ids the router computed,
+carrying a random key instead of a lease (kv_transfer/params.AwaitParams); the prefill request
+asks for its lease to be filed under the same key. Its answer is streamed only if the prefill's
+own answer shows that it assumed right: the same prompt ids, the same producer its voucher
+names. Otherwise it is dropped (cancelled, or closed if its headers are in: decode aborts it)
+and the continuation sent after the prefill takes its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from pdcluster.kv_transfer import params as kvp
+from pdcluster.kv_transfer.params import KVParams
+from pdcluster.orchestrator.policies import ReplicaLoad
+from pdcluster.orchestrator.router import continuation
+from pdcluster.orchestrator.router.upstream import post
+
+
+@dataclass(eq=False)
+class Ahead:
+    """A continuation sent with its prefill request (router.decode_ahead): the key both carry,
+    what it assumed (prompt ids, the producer its voucher names) and its answer on the way."""
+
+    key: str
+    prompt_ids: list[int]
+    voucher: KVParams
+    pending: asyncio.Future
+
+    def matches(self, first: continuation.FirstToken | None, lease: KVParams) -> bool:
+        """Did the prefill compute what this continuation assumed, on the producer it looks at?"""
+        return (
+            first is not None
+            and first.prompt_ids == self.prompt_ids
+            and lease.remote_engine_id == self.voucher.remote_engine_id
+            and lease.remote_endpoints == self.voucher.remote_endpoints
+        )
+
+    def drop(self) -> None:
+        """Not used: the request on its way is cancelled, an answer already in is closed (either
+        way the decode engine aborts it, and its connector stops looking for the lease)."""
+        if not self.pending.done():
+            self.pending.cancel()
+        elif not self.pending.cancelled() and self.pending.exception() is None:
+            asyncio.ensure_future(self.pending.result().aclose())
+
+    @classmethod
+    def send(
+        cls,
+        http: httpx.AsyncClient,
+        decode: ReplicaLoad,
+        request_id: str,
+        body: Callable[[dict[str, Any]], dict[str, Any]],
+        prompt_ids: list[int],
+        voucher: KVParams,
+        deadline: float,
+    ) -> Ahead:
+        """Post the continuation `body(kv_transfer_params)` to `decode` without waiting."""
+        key = secrets.token_hex(kvp.KEY_CHARS // 2)
+        params = kvp.AwaitParams(key, voucher, deadline).to_dict()
+        pending = asyncio.ensure_future(
+            post(http, decode, continuation.CONTINUATION_PATH, body(params), True, request_id)
+        )
+        return cls(key, list(prompt_ids), voucher, pending)
