@@ -63,7 +63,12 @@ KV_GIB = 2
 
 @contextlib.contextmanager
 def pdcluster_setup(
-    name: str, mode: str, workdir: Path, first_token_from_prefill: bool = True, policy: str | None = None
+    name: str,
+    mode: str,
+    workdir: Path,
+    first_token_from_prefill: bool = True,
+    policy: str | None = None,
+    router: dict | None = None,
 ) -> Iterator[str]:
     roles = {
         "prefill": {
@@ -91,7 +96,11 @@ def pdcluster_setup(
         roles=roles,
         speculative=None,
         model={"max_model_len": MAX_MODEL_LEN},
-        router={"first_token_from_prefill": first_token_from_prefill, **({"policy": policy} if policy else {})},
+        router={
+            "first_token_from_prefill": first_token_from_prefill,
+            **({"policy": policy} if policy else {}),
+            **(router or {}),
+        },
     )
     with cluster(config, workdir) as endpoint:
         yield endpoint
@@ -289,8 +298,9 @@ WORKLOADS = {
 
 SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # Diagnostic setups, run only when named: pd routed by least_loaded instead of the default
-# cache_aware (what the engines' KV events cost the streams).
-DIAGNOSTIC_SETUPS = ("pd-least-loaded",)
+# cache_aware (what the engines' KV events cost the streams); pd-behind: pd with
+# router.decode_ahead off (the continuation sent after the prefill answered).
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind")
 
 
 def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[str]:
@@ -300,7 +310,8 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
         return vllm_pd_setup(workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache)
     mode = "aggregated" if setup == "aggregated" else "disaggregated"
     policy = "least_loaded" if setup == "pd-least-loaded" else None
-    return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy)
+    router = {"decode_ahead": setup != "pd-behind"}
+    return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,8 +152,10 @@ class StandIn:
 
 
 def lease_of(body: dict) -> int:
-    """Which of the prefill stand-in's leases a decode request carries."""
-    return int(body["kv_transfer_params"]["remote_request_id"])
+    """Which of the prefill stand-in's leases a decode request carries (0: none yet, a
+    continuation sent ahead of its prefill)."""
+    params = body["kv_transfer_params"]
+    return int(params["remote_request_id"]) if "remote_request_id" in params else 0
 
 
 def prefill_answer() -> Answer:

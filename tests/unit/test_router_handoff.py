@@ -509,3 +509,40 @@ def test_with_no_prefill_ready_decode_serves_the_whole_request(serve, stream):
     assert metric(router, 'pdcluster_route_decisions_total{path="decode"}') == 1
     assert metric(router, 'pdcluster_route_decisions_total{path="pd"}') == 0
     assert router.is_ready() and router.route_decisions() == {"decode": 1}
+
+
+@pytest.mark.parametrize("prompt, outcome", [(PROMPT_IDS, "streamed"), ([11, 12, 99], "dropped")])
+def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what_it_assumed(prompt, outcome):
+    """router.decode_ahead: once a prefill replica's lease vouches for it, the continuation leaves
+    with the prefill request, over the prompt ids the router knows, with the key the prefill files
+    its lease under. It is streamed when the prefill's answer shows those ids; when the prefill
+    computed other ids it is dropped, and the continuation after the prefill's first token goes
+    instead (the stand-in prefill always answers PROMPT_IDS)."""
+    from pdcluster.kv_transfer import params as kvp
+
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
+    body = {"model": "tiny", "max_tokens": 4, "stream": True}
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            await post(url, "/v1/completions", {**body, "prompt": PROMPT_IDS})  # its lease: the voucher
+            return await post(url, "/v1/completions", {**body, "prompt": prompt})
+        finally:
+            await router.stop()
+            prefill.close()
+            decode.close()
+
+    response, lines = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert response.status_code == 200
+    assert [c["text"] for e in data(lines) for c in e["choices"]] == [" first", " t0", " t1", " t2"]
+    key = prefill.posts()[1].body["kv_transfer_params"][kvp.LEASE_KEY]
+    sent = decode.posts()[1:]
+    ahead = [c.body for c in sent if kvp.AWAIT in c.body["kv_transfer_params"]]
+    assert [(b["prompt"], b["kv_transfer_params"][kvp.AWAIT]["key"]) for b in ahead] == [(prompt, key)]
+    after = [c.body for c in sent if kvp.AWAIT not in c.body["kv_transfer_params"]]
+    assert [(b["prompt"], lease_of(b)) for b in after] == ([] if outcome == "streamed" else [([*PROMPT_IDS, 42], 2)])
+    assert metric(router, f'pdcluster_decode_ahead_total{{outcome="{outcome}"}}') == 1
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
