@@ -48,9 +48,11 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from bench.serve import (  # noqa: E402
+    CLIENT_PRIORITY,
     DIAGNOSTIC_SETUPS,
     SETUPS,
     WORKLOADS,
+    add_client_nice,
     cpu_profile,
     cpu_snapshot,
     quarter,
@@ -148,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-requests", type=int, default=150, help="decode-side requests per point, at least")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
     parser.add_argument("--no-warm-up", action="store_true", help="measure from the setup's first request")
+    add_client_nice(parser)
     args = parser.parse_args(argv)
+    CLIENT_PRIORITY["nice"] = args.client_nice
     raw: dict = {}
     notes: dict[str, str] = {}
     started = time.time()
@@ -196,7 +200,8 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
         "only / a gap only (of which the largest gap was between tokens 1 and 2) / both. The load generator "
         "shares the 2 cores: its median share of the CPU used is shown per point. Each setup first served a "
         "quarter of each workload at the lowest rate with other prompts, not measured"
-        + (" (skipped in this run: --no-warm-up)." if args.no_warm_up else "."),
+        + (" (skipped in this run: --no-warm-up)." if args.no_warm_up else ".")
+        + (f" The load generator ran at nice {args.client_nice}." if args.client_nice else ""),
         "",
     ]
     medians = {setup: {name: median_points(points) for name, points in per.items()} for setup, per in raw.items()}
