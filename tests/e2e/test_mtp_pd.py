@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 
 from tests.support.engines import run_engines, tiny_engine
-from tests.support.identity import Greedy, assert_same_greedy, identity_fields
+from tests.support.handoff import complete
+from tests.support.identity import Greedy, assert_same_greedy
 from tests.support.prompts import heldout_prompts
 
 pytestmark = pytest.mark.e2e
 
-NAME = "tiny"
 DTYPE = "float32"
 KS = (2,)
 PROMPTS = heldout_prompts()[:24]
@@ -55,18 +55,8 @@ def engines(tmp_path_factory, reference_engine):
 
 
 def generate(engine, prompt, kv_transfer_params=None, max_tokens=MAX_TOKENS):
-    body = {
-        "model": NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        **identity_fields(),
-    }
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    with engine.client() as client:
-        response = client.post("/v1/completions", json=body)
+    extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    response = complete(engine, prompt, max_tokens, **extra)
     assert response.status_code == 200, response.text
     return response.json()
 
