@@ -520,7 +520,7 @@ def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what
     instead (the stand-in prefill always answers PROMPT_IDS)."""
     from pdcluster.kv_transfer import params as kvp
 
-    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, decode_ahead=True))
     prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
     body = {"model": "tiny", "max_tokens": 4, "stream": True}
 
