@@ -22,6 +22,7 @@ from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation
+from pdcluster.orchestrator.router.relay import settle
 from pdcluster.orchestrator.router.upstream import post
 
 
@@ -47,10 +48,8 @@ class Ahead:
     def drop(self) -> None:
         """Not used: the request on its way is cancelled, an answer already in is closed (either
         way the decode engine aborts it, and its connector stops looking for the lease)."""
-        if not self.pending.done():
-            self.pending.cancel()
-        elif not self.pending.cancelled() and self.pending.exception() is None:
-            asyncio.ensure_future(self.pending.result().aclose())
+        if (answer := settle(self.pending)) is not None:
+            asyncio.ensure_future(answer.aclose())
 
     @classmethod
     def send(
@@ -70,3 +69,31 @@ class Ahead:
             post(http, decode, continuation.CONTINUATION_PATH, body(params), True, request_id)
         )
         return cls(key, list(prompt_ids), voucher, pending)
+
+
+class Vouchers:
+    """The latest lease of each prefill replica: it vouches for that replica's KV endpoints to a
+    decode engine that looks a lease up there before the prefill answered."""
+
+    def __init__(self) -> None:
+        self._leases: dict[str, KVParams] = {}
+
+    def learn(self, replica_id: str, lease: KVParams) -> None:
+        self._leases[replica_id] = lease
+
+    def send(
+        self,
+        http: httpx.AsyncClient,
+        prefill: ReplicaLoad,
+        decode: ReplicaLoad | None,
+        request_id: str,
+        body: Callable[[dict[str, Any]], dict[str, Any]],
+        prompt_ids: list[int] | None,
+        deadline: float,
+    ) -> Ahead | None:
+        """Ahead.send for a request to `prefill`, when its prompt ids are known and a lease of
+        that replica vouches for it (its first request goes the usual way); else None."""
+        voucher = self._leases.get(prefill.replica_id)
+        if voucher is None or not prompt_ids or decode is None:
+            return None
+        return Ahead.send(http, decode, request_id, body, prompt_ids, voucher, deadline)

@@ -52,7 +52,7 @@ from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation, migration
-from pdcluster.orchestrator.router.ahead import Ahead
+from pdcluster.orchestrator.router.ahead import Ahead, Vouchers
 from pdcluster.orchestrator.router.cache_index import Prompt
 from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
 from pdcluster.orchestrator.router.relay import (
@@ -166,9 +166,7 @@ class PhaseRunner:
         self.settings, self.pool, self.metrics = settings, pool, metrics
         self.http: httpx.AsyncClient | None = None  # the router's client, set when it starts
         self._faults = random.Random(0)
-        # The latest lease of each prefill replica: vouches for its KV endpoints to a decode
-        # engine that looks a lease up there before the prefill answered (router.decode_ahead).
-        self._vouchers: dict[str, KVParams] = {}
+        self._vouchers = Vouchers()  # router.decode_ahead (ahead.py)
 
     def wants_prompt_ids(self, h: Handoff) -> bool:
         """Does this request's path need its prompt's token ids (a continuation sent ahead)?"""
@@ -294,19 +292,16 @@ class PhaseRunner:
                     ahead.drop()
 
     def _send_ahead(self, h: Handoff, prefill: ReplicaLoad) -> Ahead | None:
-        """Send the continuation now, with the prefill request, when the router knows the
-        prompt's ids and has a voucher for this prefill replica (its first request goes the
-        usual way)."""
-        voucher = self._vouchers.get(prefill.replica_id)
-        ids = h.prompt.ids if h.prompt is not None else None
-        if not (self.wants_prompt_ids(h) and voucher is not None and ids and h.answering is not None):
+        """The continuation sent now, with the prefill request, where it can be (ahead.py)."""
+        if not self.wants_prompt_ids(h):
             return None
         assert self.http is not None
         deadline = time.time() + max(0.0, h.deadline - time.perf_counter())
+        ids = h.prompt.ids if h.prompt is not None else None
         body = functools.partial(
             continuation.ahead_body, h.body, h.kind, ids, defaults=self.settings.generation_defaults
         )
-        return Ahead.send(self.http, h.answering, h.request_id, body, ids, voucher, deadline)
+        return self._vouchers.send(self.http, prefill, h.answering, h.request_id, body, ids, deadline)
 
     def _prefilled(
         self, h: Handoff, prefill: ReplicaLoad, response: httpx.Response, started: float, ahead: Ahead | None
@@ -329,7 +324,7 @@ class PhaseRunner:
             return error_response(503, "injected fault: request abandoned after prefill", "fault_injection")
         h.params = lease.to_dict()  # what the decode request carries: the lease, nothing else
         h.first = continuation.first_token(answer, h.kind, lease) if h.continuing else None
-        self._vouchers[prefill.replica_id] = lease
+        self._vouchers.learn(prefill.replica_id, lease)
         if ahead is not None and ahead.matches(h.first, lease):
             h.ahead = ahead
         self.metrics.first_token_source.labels("prefill" if h.first is not None else "decode").inc()

@@ -92,6 +92,17 @@ class TokenClock:
         self.last = now
 
 
+def settle(pending: asyncio.Future) -> httpx.Response | None:
+    """An upstream request no longer awaited: cancelled if still on its way, else its answer
+    (None when it failed), for the caller to close."""
+    if not pending.done():
+        pending.cancel()
+        return None
+    if pending.cancelled() or pending.exception() is not None:
+        return None
+    return pending.result()
+
+
 class Relay:
     """Cleanup of one relayed stream, run exactly once however the response ends: normally,
     on a broken upstream, on a client disconnect mid-stream, or before the first byte. It ends
@@ -108,10 +119,7 @@ class Relay:
         self._closed = True
         try:
             if self.upstream is None and self.pending is not None:
-                if not self.pending.done():
-                    self.pending.cancel()
-                elif not self.pending.cancelled() and self.pending.exception() is None:
-                    self.upstream = self.pending.result()
+                self.upstream = settle(self.pending)
             if self.upstream is not None:
                 await self.upstream.aclose()  # closing upstream aborts the engine's request
         finally:
