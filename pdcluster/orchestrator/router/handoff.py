@@ -58,14 +58,11 @@ from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
 from pdcluster.orchestrator.router.relay import (
     Relay,
     RelayResponse,
-    Rewrite,
-    StreamBroke,
     TokenClock,
     closing,
     error_event,
     has_token,
     mid_stream_error,
-    relay_events,
 )
 from pdcluster.orchestrator.router.requests import error_response
 from pdcluster.orchestrator.router.settings import ENDPOINTS, RouterSettings
@@ -350,7 +347,7 @@ class PhaseRunner:
         assert self.http is not None and h.answering is not None
         replica = h.answering
         progress = self._progress(h)
-        upstream = await post(self.http, replica, h.path, self._answer_body(h, progress), h.stream, h.request_id)
+        upstream = await post(self.http, replica, h.path, self.answer_body(h, progress), h.stream, h.request_id)
         headers = h.served_by()
         if not h.stream:
             h.drop(replica)
@@ -365,10 +362,12 @@ class PhaseRunner:
             return Response(content, status_code=upstream.status_code, media_type="application/json", headers=headers)
         relay = Relay(h, upstream)
         clock = TokenClock(self.metrics, replica.replica_id, h.started)
-        return RelayResponse(closing(relay, self._relayed(h, relay, upstream, clock, None, progress)), relay, headers)
+        return RelayResponse(
+            closing(relay, migration.relayed(self, h, relay, upstream, clock, None, progress)), relay, headers
+        )
 
     @staticmethod
-    def _answer_body(h: Handoff, progress: migration.Progress | None) -> dict[str, Any]:
+    def answer_body(h: Handoff, progress: migration.Progress | None) -> dict[str, Any]:
         """What the replica that answers gets: the client's request, the lease if there is one,
         and the token ids a migration continues from when the stream may migrate."""
         body = h.body if h.params is None else {**h.body, "kv_transfer_params": h.params}
@@ -379,86 +378,6 @@ class PhaseRunner:
         if not (self.settings.disaggregated and self.settings.migration_limit > 0):
             return None
         return migration.progress_for(h.body, h.kind, self.settings.generation_defaults, h.first, h.params is None)
-
-    async def _relayed(
-        self,
-        h: Handoff,
-        relay: Relay,
-        upstream: httpx.Response | None,
-        clock: TokenClock,
-        rewrite: Rewrite | None,
-        progress: migration.Progress | None,
-        broken: BaseException | None = None,
-    ) -> AsyncIterator[bytes]:
-        """The decode replica's stream to the client; if it breaks mid-stream, the rest comes from
-        another decode replica, up to `migration_limit` times (migration.py). `upstream` None:
-        the replica failed before answering (`broken` says how); the stream moves at once."""
-        moves = 0
-        while True:
-            assert h.answering is not None
-            failed = h.answering
-            if upstream is None:
-                assert broken is not None
-                cause: BaseException = broken
-            else:
-                try:
-                    async for chunk in relay_events(upstream, failed.replica_id, h, clock, rewrite, progress):
-                        yield chunk
-                    return
-                except StreamBroke as broke:
-                    cause = broke.cause
-            assert progress is not None
-            restart = progress.can_restart  # nothing reached the client: the request starts over
-            moved: httpx.Response | None = None
-            while moved is None and moves < self.settings.migration_limit:
-                moves += 1
-                try:
-                    moved = await self._migrate(h, relay, progress, failed)
-                except NoReplicaError as exc:
-                    cause = exc
-                    break
-                except (PDClusterError, PhaseFailed, httpx.HTTPError) as exc:
-                    cause, failed = exc, h.answering or failed
-            if moved is None:
-                self.metrics.migrations.labels("failed").inc()
-                h.outcome = "upstream_error"
-                yield error_event(mid_stream_error(failed.replica_id, cause), "upstream_error", 502)
-                return
-            self.metrics.migrations.labels("ok").inc()
-            upstream = moved
-            rewrite = None if restart else migration.rewrite_after(progress, h.kind)
-
-    async def _migrate(
-        self, h: Handoff, relay: Relay, progress: migration.Progress, failed: ReplicaLoad
-    ) -> httpx.Response:
-        """Continue the stream on another decode replica: its answer's headers are in."""
-        assert self.http is not None
-        if relay.upstream is not None:
-            await relay.upstream.aclose()
-            relay.upstream = None
-        h.drop(failed)
-        h.excluded.setdefault("decode", []).append(failed.replica_id)
-        h.answering = h.choose("decode")  # NoReplicaError when none is left
-        if progress.can_restart:
-            path, body = h.path, self._answer_body(h, progress)
-        else:
-            path = continuation.CONTINUATION_PATH
-            body = migration.resume_body(h.body, h.kind, progress, self.settings.generation_defaults)
-        logger.warning(
-            "decode replica %s failed mid-stream after %d tokens; continuing on %s",
-            failed.replica_id,
-            len(progress.generated),
-            h.answering.replica_id,
-        )
-        upstream = await post(self.http, h.answering, path, body, True, h.request_id)
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            raise ReplicaError(
-                f"decode replica {h.answering.replica_id} refused the migrated stream: {content[:200]!r}"
-            )
-        relay.upstream = upstream
-        return upstream
 
     def _continuation(self, h: Handoff) -> Response:
         """Stream the prefill's first token now; the decode replica's continuation follows. The
@@ -501,7 +420,9 @@ class PhaseRunner:
                     ahead = False
                     if isinstance(failure, ReachedThenFailed) and progress is not None and progress.can_resume:
                         # it may have used up the lease: continue elsewhere from the first token
-                        async for chunk in self._relayed(h, relay, None, clock, None, progress, failure.cause):
+                        async for chunk in migration.relayed(
+                            self, h, relay, None, clock, None, progress, failure.cause
+                        ):
                             yield chunk
                         return
                     self.recover(h, failure)
@@ -513,7 +434,7 @@ class PhaseRunner:
                 yield f"data: {raw.decode(errors='replace')}\n\n".encode()
                 return
             rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first, ahead=ahead)
-            async for chunk in self._relayed(h, relay, upstream, clock, rewrite, progress):
+            async for chunk in migration.relayed(self, h, relay, upstream, clock, rewrite, progress):
                 yield chunk
         except httpx.HTTPError as exc:  # the decode replica's answer did not come (a timeout)
             h.outcome = "upstream_error"

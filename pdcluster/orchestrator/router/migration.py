@@ -7,7 +7,8 @@ from exactly there: a completions request over the prompt plus those tokens, tha
 generate (`resume_body`); it computes that prefix itself (no prefill, no lease) and its events are
 rewritten as the client's own stream (continuation.rewrite: the first response's id, chat format
 for chat, usage counting what came before). Greedy output is the same token for token as an
-undisturbed run. The ids are stripped from what the client gets.
+undisturbed run. The ids are stripped from what the client gets. `relayed` is the decode stream
+as the client gets it, moved as often as the limit allows.
 
 Only requests whose meaning survives the split migrate (the continuation path's rules, without a
 seed: a resumed sampler would start a fresh generator); others end with an SSE error event, as
@@ -17,11 +18,31 @@ do streams past `router.migration_limit` migrations or with no decode replica le
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import httpx
+
+from pdcluster.errors import NoReplicaError, PDClusterError, ReplicaError
+from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation
+from pdcluster.orchestrator.router.relay import (
+    Relay,
+    Rewrite,
+    StreamBroke,
+    TokenClock,
+    error_event,
+    mid_stream_error,
+    relay_events,
+)
+from pdcluster.orchestrator.router.upstream import PhaseFailed, post
+
+if TYPE_CHECKING:
+    from pdcluster.orchestrator.router.handoff import Handoff, PhaseRunner
+
+logger = logging.getLogger(__name__)
 
 TOKEN_FIELDS = ("token_ids", "prompt_token_ids", "prompt_text")
 
@@ -123,3 +144,83 @@ def resume_body(body: dict[str, Any], kind: str, progress: Progress, defaults: d
         out["min_tokens"] = max(0, int(body["min_tokens"]) - done)
     out.update(prompt=[*progress.prompt_ids, *progress.generated], stream=True, return_token_ids=True)
     return out
+
+
+async def relayed(
+    runner: PhaseRunner,
+    h: Handoff,
+    relay: Relay,
+    upstream: httpx.Response | None,
+    clock: TokenClock,
+    rewrite: Rewrite | None,
+    progress: Progress | None,
+    broken: BaseException | None = None,
+) -> AsyncIterator[bytes]:
+    """The decode replica's stream to the client; if it breaks mid-stream, the rest comes from
+    another decode replica, up to `migration_limit` times. `upstream` None:
+    the replica failed before answering (`broken` says how); the stream moves at once."""
+    moves = 0
+    while True:
+        assert h.answering is not None
+        failed = h.answering
+        if upstream is None:
+            assert broken is not None
+            cause: BaseException = broken
+        else:
+            try:
+                async for chunk in relay_events(upstream, failed.replica_id, h, clock, rewrite, progress):
+                    yield chunk
+                return
+            except StreamBroke as broke:
+                cause = broke.cause
+        assert progress is not None
+        restart = progress.can_restart  # nothing reached the client: the request starts over
+        moved: httpx.Response | None = None
+        while moved is None and moves < runner.settings.migration_limit:
+            moves += 1
+            try:
+                moved = await _move(runner, h, relay, progress, failed)
+            except NoReplicaError as exc:
+                cause = exc
+                break
+            except (PDClusterError, PhaseFailed, httpx.HTTPError) as exc:
+                cause, failed = exc, h.answering or failed
+        if moved is None:
+            runner.metrics.migrations.labels("failed").inc()
+            h.outcome = "upstream_error"
+            yield error_event(mid_stream_error(failed.replica_id, cause), "upstream_error", 502)
+            return
+        runner.metrics.migrations.labels("ok").inc()
+        upstream = moved
+        rewrite = None if restart else rewrite_after(progress, h.kind)
+
+
+async def _move(
+    runner: PhaseRunner, h: Handoff, relay: Relay, progress: Progress, failed: ReplicaLoad
+) -> httpx.Response:
+    """Continue the stream on another decode replica: its answer's headers are in."""
+    assert runner.http is not None
+    if relay.upstream is not None:
+        await relay.upstream.aclose()
+        relay.upstream = None
+    h.drop(failed)
+    h.excluded.setdefault("decode", []).append(failed.replica_id)
+    h.answering = h.choose("decode")  # NoReplicaError when none is left
+    if progress.can_restart:
+        path, body = h.path, runner.answer_body(h, progress)
+    else:
+        path = continuation.CONTINUATION_PATH
+        body = resume_body(h.body, h.kind, progress, runner.settings.generation_defaults)
+    logger.warning(
+        "decode replica %s failed mid-stream after %d tokens; continuing on %s",
+        failed.replica_id,
+        len(progress.generated),
+        h.answering.replica_id,
+    )
+    upstream = await post(runner.http, h.answering, path, body, True, h.request_id)
+    if upstream.status_code != 200:
+        content = await upstream.aread()
+        await upstream.aclose()
+        raise ReplicaError(f"decode replica {h.answering.replica_id} refused the migrated stream: {content[:200]!r}")
+    relay.upstream = upstream
+    return upstream
