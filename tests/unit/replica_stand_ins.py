@@ -217,3 +217,45 @@ async def post(url: str, path: str, body: dict) -> tuple[httpx.Response, list[st
     ):
         raw = await response.aread()
     return response, raw.decode().splitlines()
+
+
+def metric(router: Router, pattern: str) -> float:
+    """The value of the router's metric line that starts with `pattern` (0 when absent)."""
+    found = re.search(pattern.replace("{", r"\{").replace("}", r"\}") + r" (\S+)", router.metrics.exposition().decode())
+    return float(found.group(1)) if found else 0.0
+
+
+def data(lines: list[str]) -> list[dict]:
+    """The JSON events of an SSE stream's lines."""
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def token_events(tokens: list[int], *, start: int = 0, prompt: list[int] | None = None, finish: bool = False):
+    """A decode replica's completions stream with token ids (what the router asks for)."""
+    events = []
+    for i, token in enumerate(tokens):
+        choice = {"index": 0, "text": f" t{token}", "finish_reason": None, "token_ids": [token]}
+        if i == 0 and prompt is not None:
+            choice["prompt_token_ids"] = prompt
+        if finish and i == len(tokens) - 1:
+            choice["finish_reason"] = "length"
+        events.append(
+            {"id": f"cmpl-{start}", "object": "text_completion", "created": 2, "model": "tiny", "choices": [choice]}
+        )
+    return [f"data: {json.dumps(e)}" for e in events]
+
+
+def dying_decode(tokens: list[int]):
+    """A decode replica that streams `tokens` and then hangs up mid-stream."""
+
+    async def answer(call, out):
+        await out.sse(token_events(tokens, prompt=PROMPT_IDS), then_hang_up=True)
+
+    return answer
+
+
+async def resuming_decode(call, out):
+    """A decode replica that continues a migrated stream to its end (tokens numbered by position)."""
+    done = call.body["prompt"][len(PROMPT_IDS) :]
+    left = [100 + i for i in range(len(done), len(done) + call.body["max_tokens"])]
+    await out.sse(token_events(left, start=1, prompt=call.body["prompt"], finish=True) + ["data: [DONE]"])

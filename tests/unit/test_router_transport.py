@@ -14,20 +14,9 @@ import httpx
 import pytest
 
 from pdcluster.orchestrator.router import transport
-from tests.unit.replica_stand_ins import LOOPS, closed_port
+from tests.unit.replica_stand_ins import closed_port
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-
-
-@pytest.fixture(params=sorted(LOOPS))
-def run(request):
-    """Runs a test's scenario on each event loop."""
-
-    def run(scenario, timeout: float):
-        with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
-            return runner.run(asyncio.wait_for(scenario(), timeout))
-
-    return run
 
 
 def client(**timeouts) -> httpx.AsyncClient:
