@@ -1,14 +1,11 @@
-"""P -> D handoff through PDConnector with real vLLM engines in separate processes.
-
-Engines (float32: strict identity, tokens and logprobs; tests/support/identity.py; bf16 is
-covered with a near-tie tolerance in test_bf16_identity.py): the aggregated reference
-(conftest.py: single-process, as every engine here but decode-shm), one prefill (producer, backend auto: it offers grpc, shm, mooncake and
-collective), and decode (consumer) engines: a healthy one forced to grpc (the full matrix runs
-there), one whose every pull fails (injected; recompute policy), one whose KV layout does not
-match (block size 64 vs 128; fail policy), and one each for the faster backends: auto (which
-picks shm on this one node), collective (gloo) and mooncake (Mooncake's transfer engine over TCP;
-one request at a time, so a second one queues: lease renewal). The test drives them over HTTP exactly as the
-router does: prefill with max_tokens=1 and do_remote_decode, then decode with the returned params.
+"""P -> D handoff through PDConnector with real vLLM engines in separate processes, driven over
+HTTP as the router drives them (prefill: max_tokens=1, do_remote_decode; decode: the returned
+params). Float32, strict identity of tokens and logprobs (tests/support/identity.py; bf16 in
+test_bf16_identity.py). Engines: the aggregated reference (conftest.py), one prefill (backend
+auto: offers grpc, shm, mooncake, collective) and decodes: grpc (the full matrix), auto (shm on
+one node; vLLM's own worker-process layout, the others single-process), collective (gloo),
+mooncake (TCP; one request at a time, so a second queues: lease renewal), one whose every pull
+fails (recompute policy) and one whose layout does not match (block size 64; fail policy).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import pytest
 from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.params import KVParams
-from tests.support.engines import MAX_MODEL_LEN, assert_engine_key_required, run_engines, tiny_engine
+from tests.support.engines import MAX_MODEL_LEN, assert_engine_key_required, run_engines, tiny_engine, vllm_processes
 from tests.support.handoff import NAME, complete, greedy, handoff, info, through_router, wait_for
 from tests.support.identity import Greedy, assert_same_greedy, compare
 from tests.support.prompts import token_prompt
@@ -307,16 +304,6 @@ def test_forged_params_dial_nothing_and_are_recomputed_or_refused(engines):
     response = complete(engines["decode"], prompt, 6, kv_transfer_params=real)
     assert_same(expected, response)
     wait_for(lambda: info(engines["prefill"])["stats"]["kv_cache_usage"] == 0.0, 30, "P blocks freed")
-
-
-def vllm_processes(pid: int) -> dict[str, list[int]]:
-    """The engine's vLLM processes by title (VLLM::EngineCore, VLLM::Worker...): the cores each
-    one's main thread may run on."""
-    found = {}
-    for child in psutil.Process(pid).children(recursive=True):
-        if child.name().startswith("VLLM::"):
-            found[child.name()] = child.cpu_affinity()
-    return found
 
 
 def test_engines_run_their_model_in_the_engine_core_unless_told_otherwise(engines):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.keys import engine_http_token
@@ -205,3 +206,13 @@ def assert_engine_key_required(url: str, headers: dict[str, str]) -> None:
             assert response.json()["error"]["type"] == "authentication_error"
     for method, path in ENGINE_PATHS[1:]:
         assert httpx.request(method, url + path, headers=headers, timeout=30).status_code == 200, path
+
+
+def vllm_processes(pid: int) -> dict[str, list[int]]:
+    """The engine's vLLM processes by title (VLLM::EngineCore, VLLM::Worker...): the cores each
+    one's main thread may run on."""
+    found = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        if child.name().startswith("VLLM::"):
+            found[child.name()] = child.cpu_affinity()
+    return found
