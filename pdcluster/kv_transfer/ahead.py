@@ -3,8 +3,10 @@
 The scheduler admits such a request at once and plans its pull without a lease (`PullSpec`
 with `awaiting`: the router's key, a lease the same producer signed earlier as the voucher of
 its endpoints, a deadline). Here, one lookup thread per producer asks it for the leases of the
-requests awaiting it, by key (`Handouts`; the producer holds the call a moment while none is in),
-until each is found or its deadline passes:
+requests awaiting it, by key (`Handouts`), until each is found or its deadline passes. The
+producer holds the call while none of its leases is in and answers the moment one is filed; a
+request that starts awaiting the same producer cancels the held call, which is asked again with
+its key too. So a lookup costs a call per request and per lease found, not a call per interval:
 
 - found: the lease must verify (signed by a producer of this cluster) and carry the prefill's
   first token. The token is recorded for the scheduler (`take_first_tokens`, sent as worker
@@ -34,7 +36,11 @@ from pdcluster.kv_transfer.params import KVParams
 
 logger = logging.getLogger(__name__)
 
-LOOKUP_HOLD_S = 0.02  # how long a producer may hold a lookup while none of its keys is in
+LOOKUP_HOLD_S = 1.0  # how long a producer may hold a lookup (producer.HANDOUT_WAIT_CAP_S)
+# A producer whose held lookups are all taken answers at once, with nothing: asked again after
+# this (producers before HANDOUT_WAIT_CAP_S was raised hold at most 50 ms; they are asked again
+# when that ends).
+LOOKUP_RETRY_S = 0.02
 
 
 class AheadPulls:
@@ -61,6 +67,8 @@ class AheadPulls:
         self._given_up: set[str] = set()  # never found: load unreported until abandoned
         self._first_tokens: dict[str, int] = {}  # found, not yet told to the scheduler
         self._lookups: set[str] = set()  # endpoints with a lookup thread running
+        self._changed: dict[str, threading.Event] = {}  # endpoint -> a key joined its lookup
+        self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-lease-lookup")
 
     def add(self, spec: PullSpec) -> None:
@@ -74,10 +82,12 @@ class AheadPulls:
             return
         with self._lock:
             self._awaiting[spec.request_id] = (endpoint, spec)
+            changed = self._changed.setdefault(endpoint, threading.Event())
             if endpoint in self._lookups:
+                changed.set()  # the running lookup asks again, with this key
                 return
             self._lookups.add(endpoint)
-        self._pool.submit(self._look_up, endpoint)
+        self._pool.submit(self._look_up, endpoint, changed)
 
     def take_first_tokens(self) -> dict[str, int]:
         with self._lock:
@@ -97,14 +107,18 @@ class AheadPulls:
     def shutdown(self) -> None:
         with self._lock:
             self._awaiting.clear()  # lookup threads end at their next turn
+            self._closed.set()
+            for changed in self._changed.values():
+                changed.set()  # held lookups are cancelled
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- lookup threads ------------------------------------------------------------------------
 
-    def _look_up(self, endpoint: str) -> None:
+    def _look_up(self, endpoint: str, changed: threading.Event) -> None:
         """Ask one producer for the leases of the requests awaiting it, until none awaits."""
         while True:
             with self._lock:
+                changed.clear()  # before reading the keys: a key added after this cancels the call
                 waiting = {spec.awaiting.key: spec for ep, spec in self._awaiting.values() if ep == endpoint}
                 if not waiting:
                     self._lookups.discard(endpoint)
@@ -116,17 +130,23 @@ class AheadPulls:
                     self._give_up(spec, "its prefill's lease did not come before the request's deadline")
             if not waiting:
                 continue
+            hold = min(LOOKUP_HOLD_S, min(spec.awaiting.deadline for spec in waiting.values()) - now)
+            asked = time.monotonic()
             try:
                 found = self._connection(endpoint).handouts(
-                    list(waiting), engine_id=self.engine_id, wait_s=LOOKUP_HOLD_S, timeout_s=self._timeout_s
+                    list(waiting), engine_id=self.engine_id, wait_s=hold, timeout_s=self._timeout_s, interrupt=changed
                 )
             except Exception as exc:  # noqa: BLE001 - runs on the lookup pool: nothing may escape unseen
                 for spec in waiting.values():
                     self._give_up(spec, f"looking its lease up on {endpoint} failed: {type(exc).__name__}: {exc}")
                 continue
+            if found is None:
+                continue  # cancelled: another key joined
             for key, (params, token) in found.items():
                 if key in waiting:
                     self._found(waiting[key], params, token)
+            if not found and time.monotonic() - asked < hold / 2:
+                self._closed.wait(LOOKUP_RETRY_S)  # answered without a hold: ask again shortly
 
     def _found(self, spec: PullSpec, params_json: str, token: int) -> None:
         """A lease came for an awaiting request: its first token to the scheduler, then its pull."""

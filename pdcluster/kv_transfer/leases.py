@@ -12,8 +12,8 @@ failed pull + release, or expiry.
 
 A lease may also be filed under a key (a decode request admitted ahead of its prefill looks it
 up by that key, never knowing the producer's request id): `handouts` answers, for a set of keys,
-the signed lease and the prefill's first token of those registered so far, waiting a moment for
-one to come when none has. Ended leases keep their handout a while (ENDED_MEMORY): a late lookup
+the signed lease and the prefill's first token of those registered so far, waiting for one to
+come when none has (until its caller goes away). Ended leases keep their handout a while (ENDED_MEMORY): a late lookup
 still learns the first token, and its pull then fails as for any ended lease.
 """
 
@@ -89,9 +89,12 @@ class LeaseTable:
                 self._by_key[key] = lease
             self._cond.notify_all()
 
-    def handouts(self, keys: Sequence[str], wait_s: float = 0.0) -> dict[str, tuple[str, int]]:
+    def handouts(
+        self, keys: Sequence[str], wait_s: float = 0.0, stop: threading.Event | None = None
+    ) -> dict[str, tuple[str, int]]:
         """key -> (signed lease as JSON, first token) for the keys whose lease was registered
-        (also when it already ended); waits up to wait_s for one when none has yet."""
+        (also when it already ended); waits up to wait_s for one when none has yet, or until
+        `stop` is set (and `wake` called: the caller went away)."""
         end = time.monotonic() + wait_s
         with self._cond:
             while True:
@@ -102,9 +105,14 @@ class LeaseTable:
                     if handout is not None:
                         found[key] = handout
                 remaining = end - time.monotonic()
-                if found or remaining <= 0:
+                if found or remaining <= 0 or (stop is not None and stop.is_set()):
                     return found
                 self._cond.wait(remaining)
+
+    def wake(self) -> None:
+        """Let every waiting `handouts` look at its `stop` event again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def acquire(self, request_id: str, block_ids: Sequence[int], wait_s: float) -> Lease:
         """Start a pull: wait up to wait_s for the lease to appear; check the requested blocks."""

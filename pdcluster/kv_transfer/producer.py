@@ -8,6 +8,7 @@ the scheduler's metadata and collects released or expired ones every step.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +27,11 @@ from pdcluster.kv_transfer.staging import BlockGatherer, Pool
 
 logger = logging.getLogger(__name__)
 
-HANDOUT_WAIT_CAP_S = 0.05
+# The longest a lease lookup is held while none of its keys is in. A consumer cancels its lookup
+# as soon as it has another key to ask for, and a held lookup wakes the moment a lease it asks
+# for is filed, so the hold bounds only how often an idle consumer asks (lookups held at once are
+# bounded by the server: grpc_transport).
+HANDOUT_WAIT_CAP_S = 1.0
 
 
 class KVProducer:
@@ -112,7 +117,15 @@ class KVProducer:
     def renew(self, request_ids) -> int:
         return self.leases.renew(request_ids, self.lease_seconds)
 
-    def handouts(self, keys: Sequence[str], wait_s: float) -> dict[str, tuple[str, int]]:
+    def handouts(
+        self, keys: Sequence[str], wait_s: float, stop: threading.Event | None = None
+    ) -> dict[str, tuple[str, int]]:
         """The leases filed under `keys` so far (LeaseTable.handouts), holding the call up to
-        wait_s (capped at HANDOUT_WAIT_CAP_S: it holds one of the server's threads) for one."""
-        return self.leases.handouts(keys, min(max(wait_s, 0.0), HANDOUT_WAIT_CAP_S))
+        wait_s (capped at HANDOUT_WAIT_CAP_S) for one, or until `stop` is set and `end_hold`
+        called (the consumer cancelled the call)."""
+        return self.leases.handouts(keys, min(max(wait_s, 0.0), HANDOUT_WAIT_CAP_S), stop)
+
+    def end_hold(self, stop: threading.Event) -> None:
+        """Set `stop` and wake the lookup it belongs to (its caller went away)."""
+        stop.set()
+        self.leases.wake()

@@ -12,7 +12,9 @@ decoded to zero-copy views and handed to the sink, which writes them into the lo
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
@@ -95,10 +97,15 @@ def pull_errors_abort(context: grpc.ServicerContext) -> Iterator[None]:
 
 
 class _Servicer:
-    def __init__(self, producer: KVProducer, offers: Sequence[str]):
+    def __init__(self, producer: KVProducer, offers: Sequence[str], threads: int):
         from pdcluster.kv_transfer.transports.selection import node_id
 
         self.producer = producer
+        # Held lease lookups (one per consumer waiting on this producer) may take half the
+        # server's threads; pulls, releases and renewals always find one.
+        self.max_held = max(1, threads // 2)
+        self.lookups_held = 0
+        self._lock = threading.Lock()
         self._node_id = node_id()
         self._offers = list(offers)
         self.handshake_fields: dict[str, str] = {}  # what extensions add (shm: its socket)
@@ -143,7 +150,20 @@ class _Servicer:
         return pb.RenewResponse(renewed=self.producer.renew(list(request.request_ids)))
 
     def handouts(self, request: pb.HandoutsRequest, session: ServerSession, context) -> pb.HandoutsResponse:
-        found = self.producer.handouts(list(request.keys), request.wait_ms / 1000)
+        """Lease lookup by key. A held lookup takes one of the server's threads until a lease comes,
+        its hold ends or the consumer cancels it (its thread is then free at once); at most
+        `max_held` are held at a time, and a lookup past that is answered at once."""
+        with self._lock:
+            held = self.lookups_held < self.max_held
+            self.lookups_held += held
+        try:
+            stop = threading.Event()
+            if held:
+                context.add_callback(functools.partial(self.producer.end_hold, stop))
+            found = self.producer.handouts(list(request.keys), request.wait_ms / 1000 if held else 0.0, stop)
+        finally:
+            with self._lock:
+                self.lookups_held -= held
         return pb.HandoutsResponse(
             handouts=[
                 pb.Handout(key=key, params_json=params, first_token=token) for key, (params, token) in found.items()
@@ -163,7 +183,7 @@ class GrpcServer(TransportServer):
         extensions: Sequence[ServerExtension] = (),
         offers: Sequence[str] = ("grpc",),
     ):
-        servicer = _Servicer(producer, offers)
+        servicer = self._servicer = _Servicer(producer, offers, settings.server_threads)
         self._extensions = list(extensions)
         auth = self.auth = ServerAuth(settings.secret_value())
         authorize = rpc.Authorizer(auth)
@@ -203,6 +223,11 @@ class GrpcServer(TransportServer):
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def lookups_held(self) -> int:
+        """Lease lookups this server holds now (each on one of its threads)."""
+        return self._servicer.lookups_held
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._server.stop(grace_s).wait()
@@ -373,15 +398,33 @@ class GrpcClient(TransportClient):
         return self.control.call(call)
 
     def handouts(
-        self, keys: Sequence[str], *, engine_id: str, wait_s: float, timeout_s: float
-    ) -> dict[str, tuple[str, int]]:
+        self,
+        keys: Sequence[str],
+        *,
+        engine_id: str,
+        wait_s: float,
+        timeout_s: float,
+        interrupt: threading.Event | None = None,
+    ) -> dict[str, tuple[str, int]] | None:
         """key -> (signed lease as JSON, first token) of the keys whose lease the producer has
-        registered; it holds the call up to wait_s while it has none of them."""
+        registered; it holds the call up to wait_s while it has none of them. `interrupt` set
+        (also before the call): the call is cancelled, freeing the producer's thread, and
+        answers None (this consumer has other keys to ask for); the event is also set when the
+        call ends by itself."""
         request = pb.HandoutsRequest(keys=list(keys), consumer_engine_id=engine_id, wait_ms=int(wait_s * 1000))
 
-        def call() -> dict[str, tuple[str, int]]:
+        def call() -> dict[str, tuple[str, int]] | None:
             try:
-                reply = self._handouts(request, metadata=self.control.metadata("Handouts"), timeout=timeout_s + wait_s)
+                metadata, timeout = self.control.metadata("Handouts"), timeout_s + wait_s
+                if interrupt is None:
+                    reply = self._handouts(request, metadata=metadata, timeout=timeout)
+                else:
+                    future = self._handouts.future(request, metadata=metadata, timeout=timeout)
+                    future.add_done_callback(lambda _: interrupt.set())
+                    interrupt.wait()
+                    if future.cancel():
+                        return None
+                    reply = future.result()
             except grpc.RpcError as exc:
                 raise translate(exc, self.endpoint, "KV lease lookup") from None
             return {h.key: (h.params_json, h.first_token) for h in reply.handouts}
