@@ -215,7 +215,9 @@ class RouterMetrics:
         self.decode_ahead = Counter(
             "pdcluster_decode_ahead",
             "Continuations sent with their prefill request (router.decode_ahead): streamed, or dropped "
-            "for one sent after the prefill (its answer did not match what they assumed, or it failed)",
+            "for one sent after the prefill (its answer did not match what they assumed, or it failed); "
+            "lost: streamed, then the decode engine got no KV for it before its first token and the one "
+            "sent after the prefill went instead",
             ["outcome"],
             registry=r,
         )

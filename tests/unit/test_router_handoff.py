@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from pdcluster.kv_transfer import params as kvp
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router, RouterSettings
 from tests.unit.replica_stand_ins import (
@@ -345,17 +346,11 @@ def test_with_no_prefill_ready_decode_serves_the_whole_request(serve, stream):
     assert router.is_ready() and router.route_decisions() == {"decode": 1}
 
 
-@pytest.mark.parametrize("prompt, outcome", [(PROMPT_IDS, "streamed"), ([11, 12, 99], "dropped")])
-def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what_it_assumed(prompt, outcome):
-    """router.decode_ahead: once a prefill replica's lease vouches for it, the continuation leaves
-    with the prefill request, over the prompt ids the router knows, with the key the prefill files
-    its lease under. It is streamed when the prefill's answer shows those ids; when the prefill
-    computed other ids it is dropped, and the continuation after the prefill's first token goes
-    instead (the stand-in prefill always answers PROMPT_IDS)."""
-    from pdcluster.kv_transfer import params as kvp
-
-    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, decode_ahead=True))
-    prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
+def sent_ahead(router: Router, decode: StandIn, prompt: list[int]):
+    """Two streamed requests through a router with decode_ahead: the first one's lease vouches for
+    the prefill replica, so the second one's continuation leaves with its prefill request.
+    (response, lines, prefill stand-in) of the second."""
+    prefill = StandIn(prefill_answer())
     body = {"model": "tiny", "max_tokens": 4, "stream": True}
 
     async def scenario():
@@ -370,6 +365,20 @@ def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what
             decode.close()
 
     response, lines = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+    return response, lines, prefill
+
+
+@pytest.mark.parametrize("prompt, outcome", [(PROMPT_IDS, "streamed"), ([11, 12, 99], "dropped")])
+def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what_it_assumed(prompt, outcome):
+    """router.decode_ahead: once a prefill replica's lease vouches for it, the continuation leaves
+    with the prefill request, over the prompt ids the router knows, with the key the prefill files
+    its lease under. It is streamed when the prefill's answer shows those ids; when the prefill
+    computed other ids it is dropped, and the continuation after the prefill's first token goes
+    instead (the stand-in prefill always answers PROMPT_IDS)."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, decode_ahead=True))
+    decode = StandIn(decode_answer)
+    response, lines, prefill = sent_ahead(router, decode, prompt)
     assert response.status_code == 200
     assert [c["text"] for e in data(lines) for c in e["choices"]] == [" first", " t0", " t1", " t2"]
     key = prefill.posts()[1].body["kv_transfer_params"][kvp.LEASE_KEY]
@@ -379,4 +388,30 @@ def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what
     after = [c.body for c in sent if kvp.AWAIT not in c.body["kv_transfer_params"]]
     assert [(b["prompt"], lease_of(b)) for b in after] == ([] if outcome == "streamed" else [([*PROMPT_IDS, 42], 2)])
     assert metric(router, f'pdcluster_decode_ahead_total{{outcome="{outcome}"}}') == 1
-    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+
+
+def test_a_continuation_sent_ahead_that_gets_no_kv_is_replaced_by_the_one_after_the_prefill():
+    """The decode engine gives up on a continuation sent ahead (its lease never came: the voucher's
+    endpoint is gone, a lookup failed) and ends its stream with a kv_transfer_error before any
+    token. The prefill's lease is intact, so the continuation after the prefill's first token
+    goes to the decode replica instead, and the client sees one clean stream, no error."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, decode_ahead=True))
+
+    async def no_lease_ahead(call, out):
+        if kvp.AWAIT not in call.body["kv_transfer_params"]:
+            await decode_answer(call, out)
+            return
+        error = {"message": "no lease came for a request admitted ahead", "type": "kv_transfer_error", "code": 500}
+        await out.sse([f"data: {json.dumps({'error': error})}", "data: [DONE]"])
+
+    decode = StandIn(no_lease_ahead)
+    response, lines, _ = sent_ahead(router, decode, PROMPT_IDS)
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""], lines
+    events = data(lines)
+    assert not [e for e in events if "error" in e]
+    assert [c["text"] for e in events for c in e["choices"]] == [" first", " t0", " t1", " t2"]
+    sent = decode.posts()[1:]
+    assert [kvp.AWAIT in c.body["kv_transfer_params"] for c in sent] == [True, False]
+    assert (sent[1].body["prompt"], lease_of(sent[1].body)) == ([*PROMPT_IDS, 42], 2)
+    assert metric(router, 'pdcluster_decode_ahead_total{outcome="lost"}') == 1
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 2

@@ -71,6 +71,14 @@ class Ahead:
         return cls(key, list(prompt_ids), voucher, pending)
 
 
+def lease_lost(first: dict[str, Any] | None) -> bool:
+    """Is a continuation's first event the decode engine saying it got no KV (engine/kv_errors.py:
+    the lease never came, or its pull failed under the fail policy)? Nothing of it reached the
+    client, so the continuation sent after the prefill may go instead."""
+    error = (first or {}).get("error")
+    return isinstance(error, dict) and error.get("type") == "kv_transfer_error"
+
+
 class Vouchers:
     """The latest lease of each prefill replica: it vouches for that replica's KV endpoints to a
     decode engine that looks a lease up there before the prefill answered."""

@@ -52,7 +52,7 @@ from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation, migration
-from pdcluster.orchestrator.router.ahead import Ahead, Vouchers
+from pdcluster.orchestrator.router.ahead import Ahead, Vouchers, lease_lost
 from pdcluster.orchestrator.router.cache_index import Prompt
 from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
 from pdcluster.orchestrator.router.relay import (
@@ -61,6 +61,7 @@ from pdcluster.orchestrator.router.relay import (
     TokenClock,
     closing,
     error_event,
+    first_event,
     has_token,
     mid_stream_error,
 )
@@ -411,10 +412,10 @@ class PhaseRunner:
             h.delivered = True
             progress = self._progress(h)
             ahead = h.ahead is not None
+            chunks = None
             while True:
                 try:
                     upstream = await relay.pending
-                    break
                 except PhaseFailed as failure:
                     relay.pending = None
                     ahead = False
@@ -427,14 +428,26 @@ class PhaseRunner:
                         return
                     self.recover(h, failure)
                     self._dispatch(h, relay, body)
-            relay.upstream = upstream
+                    continue
+                relay.upstream = upstream
+                if not ahead or upstream.status_code != 200:
+                    break
+                first, chunks = await first_event(upstream)
+                if not lease_lost(first):
+                    break
+                # The decode engine gave up on the lease before its first token (ahead.py): the
+                # continuation after the prefill's token goes instead; the lease is still there.
+                await upstream.aclose()
+                relay.upstream, chunks, ahead = None, None, False
+                self.metrics.decode_ahead.labels("lost").inc()
+                self._dispatch(h, relay, body)
             if upstream.status_code != 200:
                 raw = await upstream.aread()
                 h.outcome = outcome_for(upstream.status_code, raw)
                 yield f"data: {raw.decode(errors='replace')}\n\n".encode()
                 return
             rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first, ahead=ahead)
-            async for chunk in migration.relayed(self, h, relay, upstream, clock, rewrite, progress):
+            async for chunk in migration.relayed(self, h, relay, upstream, clock, rewrite, progress, chunks=chunks):
                 yield chunk
         except httpx.HTTPError as exc:  # the decode replica's answer did not come (a timeout)
             h.outcome = "upstream_error"

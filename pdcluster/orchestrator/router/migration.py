@@ -155,10 +155,12 @@ async def relayed(
     rewrite: Rewrite | None,
     progress: Progress | None,
     broken: BaseException | None = None,
+    chunks: AsyncIterator[bytes] | None = None,
 ) -> AsyncIterator[bytes]:
     """The decode replica's stream to the client; if it breaks mid-stream, the rest comes from
     another decode replica, up to `migration_limit` times. `upstream` None:
-    the replica failed before answering (`broken` says how); the stream moves at once."""
+    the replica failed before answering (`broken` says how); the stream moves at once. `chunks`:
+    the upstream's bytes when some were read already (relay.first_event)."""
     moves = 0
     while True:
         assert h.answering is not None
@@ -168,7 +170,8 @@ async def relayed(
             cause: BaseException = broken
         else:
             try:
-                async for chunk in relay_events(upstream, failed.replica_id, h, clock, rewrite, progress):
+                read, chunks = chunks or upstream.aiter_bytes(), None
+                async for chunk in relay_events(read, failed.replica_id, h, clock, rewrite, progress):
                     yield chunk
                 return
             except StreamBroke as broke:

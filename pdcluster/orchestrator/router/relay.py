@@ -170,14 +170,14 @@ def error_outcome(error: Any) -> str:
 
 
 async def relay_events(
-    upstream: httpx.Response,
+    chunks: AsyncIterator[bytes],
     replica_id: str,
     handoff: Handoff,
     clock: TokenClock,
     rewrite: Rewrite | None = None,
     progress: Progress | None = None,
 ) -> AsyncIterator[bytes]:
-    """The replica's SSE events to the client: each event rewritten (`rewrite`: a continuation as
+    """The replica's SSE events (`chunks`: its stream's bytes) to the client: each event rewritten (`rewrite`: a continuation as
     the client's own request), an error event counted by what it is, a broken upstream ended
     with an error event, or, when `progress` (what the client has, migration.py) can be resumed
     or nothing reached the client yet, with StreamBroke for the caller to continue the stream
@@ -188,7 +188,7 @@ async def relay_events(
     the cores the engines use)."""
     events = SSEEvents()
     try:
-        async for data in upstream.aiter_bytes():
+        async for data in chunks:
             if batch := events.feed(data):
                 yield _relay_batch(batch, handoff, clock, rewrite, progress)
             if time.perf_counter() > handoff.deadline:  # the whole request's bound, not one read's
@@ -206,6 +206,43 @@ async def relay_events(
     except asyncio.CancelledError:
         handoff.outcome = "cancelled"  # client went away; closing upstream aborts the engine request
         raise
+
+
+async def first_event(upstream: httpx.Response) -> tuple[dict[str, Any] | None, AsyncIterator[bytes]]:
+    """Read a stream up to its first complete event: (that event parsed, when it is a data event
+    with a JSON object; the stream's bytes from its start, to relay as they would have been)."""
+    chunks = upstream.aiter_bytes()
+    head: list[bytes] = []
+    events = SSEEvents()
+    batch: list[list[str]] = []
+    broke: BaseException | None = None
+    try:
+        async for data in chunks:
+            head.append(data)
+            if batch := events.feed(data):
+                break  # the generator stays open: the rest is read below
+        else:
+            batch = events.flush()
+    except (httpx.HTTPError, OSError) as exc:
+        broke = exc  # raised where the relay reads it, as if it had read the stream itself
+
+    async def replay() -> AsyncIterator[bytes]:
+        for data in head:
+            yield data
+        if broke is not None:
+            raise broke
+        async for data in chunks:
+            yield data
+
+    first = None
+    for line in batch[0] if batch else ():
+        if line.startswith("data: {"):
+            try:
+                first = json.loads(line[6:])
+            except ValueError:
+                first = None
+            break
+    return (first if isinstance(first, dict) else None), replay()
 
 
 def _relay_batch(
