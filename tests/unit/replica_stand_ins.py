@@ -20,6 +20,7 @@ from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router
 
 PROMPT_IDS = [11, 12, 13]
+COMPLETION = {"model": "tiny", "prompt": "def f():", "max_tokens": 4}  # a client's request
 # The event loops the router runs on: asyncio's own, and uvloop's (Ray's actors use it).
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 

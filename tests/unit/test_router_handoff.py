@@ -15,6 +15,7 @@ from pdcluster.kv_transfer import params as kvp
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import Router, RouterSettings
 from tests.unit.replica_stand_ins import (
+    COMPLETION,
     ENGINE_TOKEN,
     PROMPT_IDS,
     StandIn,
@@ -30,9 +31,6 @@ from tests.unit.replica_stand_ins import (
     running,
     token_events,
 )
-
-COMPLETION = {"model": "tiny", "prompt": "def f():", "max_tokens": 4}
-
 
 # -- recovery: one strategy for every phase ----------------------------------------------------
 

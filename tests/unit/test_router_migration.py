@@ -13,6 +13,7 @@ import pytest
 
 from pdcluster.orchestrator.router import Router, RouterSettings
 from tests.unit.replica_stand_ins import (
+    COMPLETION,
     ENGINE_TOKEN,
     PROMPT_IDS,
     StandIn,
@@ -25,8 +26,6 @@ from tests.unit.replica_stand_ins import (
     running,
     token_events,
 )
-
-COMPLETION = {"model": "tiny", "prompt": "def f():", "max_tokens": 4}
 
 
 @pytest.mark.parametrize("first_token_from_prefill", [False, True])
