@@ -95,13 +95,16 @@ def stream_text(client, prompt, max_tokens):
 def test_killed_prefill_is_retried_elsewhere_and_replaced(cluster, client, kill):
     before = cluster.status()
     assert ready(before, "prefill") == ["prefill-0", "prefill-1"]
-    prompts = [token_prompt(900, offset=97 * i) for i in range(16)]
     pid = kill.pid_of("prefill-0")
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(stream_text, client, p, 8) for p in prompts]
+        # The kill must land mid-flight: eight requests stay in flight, fresh ones replacing those
+        # done, until the router counts one on prefill-0 (a prefill may end between two polls).
+        futures: list = []
         deadline = time.monotonic() + 60
-        while inflight(cluster, "prefill-0") == 0:  # the kill must land mid-flight
+        while inflight(cluster, "prefill-0") == 0:
             assert time.monotonic() < deadline, "no request reached prefill-0"
+            while sum(not f.done() for f in futures) < 8:
+                futures.append(pool.submit(stream_text, client, token_prompt(900, offset=97 * len(futures)), 8))
             time.sleep(0.05)  # poll interval
         kill.crash(pid)
         results = [f.result() for f in futures]
