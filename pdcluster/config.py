@@ -232,10 +232,10 @@ class RouterSection(_Model):
         "(streaming requests whose fields allow it; see README).",
     )
     decode_ahead: bool = Field(
-        False,
+        True,
         description="With first_token_from_prefill: send the decode request together with the prefill "
         "request; decode waits for the lease and the prefill's first token, found by a key the "
-        "router gives both (no second hop through the router; off by default for now, see README).",
+        "router gives both (no second hop through the router; see README).",
     )
     migration_limit: int = Field(
         2,

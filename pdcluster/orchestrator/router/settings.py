@@ -20,7 +20,7 @@ class RouterSettings:
     tokenizer_path: str | None = None
     phase_attempts: int = 3  # replicas tried per role for one request (handoff.py)
     first_token_from_prefill: bool = True  # router.first_token_from_prefill (continuation.py)
-    decode_ahead: bool = False  # router.decode_ahead (handoff.py): decode sent with the prefill
+    decode_ahead: bool = True  # router.decode_ahead (handoff.py): decode sent with the prefill
     migration_limit: int = 2  # router.migration_limit: moves of one stream to another decode replica
     local_prefill_max_tokens: int = 0  # router.local_prefill_max_tokens (conditional disaggregation)
     slo_window_s: float = 30.0  # autoscale.window_seconds: the p90s the SLO planner reads
