@@ -344,23 +344,25 @@ def test_with_no_prefill_ready_decode_serves_the_whole_request(serve, stream):
     assert router.is_ready() and router.route_decisions() == {"decode": 1}
 
 
-def sent_ahead(router: Router, decode: StandIn, prompt: list[int]):
+def sent_ahead(router: Router, decode: StandIn | dict[str, StandIn], prompt: list[int]):
     """Two streamed requests through a router with decode_ahead: the first one's lease vouches for
     the prefill replica, so the second one's continuation leaves with its prefill request.
-    (response, lines, prefill stand-in) of the second."""
+    (response, lines, prefill stand-in) of the second. `decode`: decode-0, or replicas by id."""
     prefill = StandIn(prefill_answer())
+    decodes = decode if isinstance(decode, dict) else {"decode-0": decode}
     body = {"model": "tiny", "max_tokens": 4, "stream": True}
 
     async def scenario():
-        url = await running(router, prefill, decode)
-        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        url = await running(router, prefill, *decodes.values())
+        rows = [row(rid, "decode", stand_in.url) for rid, stand_in in decodes.items()]
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), *rows])
         try:
             await post(url, "/v1/completions", {**body, "prompt": PROMPT_IDS})  # its lease: the voucher
             return await post(url, "/v1/completions", {**body, "prompt": prompt})
         finally:
             await router.stop()
-            prefill.close()
-            decode.close()
+            for stand_in in (prefill, *decodes.values()):
+                stand_in.close()
 
     response, lines = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert all(r.inflight_requests == 0 for r in router.replicas.values())
@@ -413,3 +415,27 @@ def test_a_continuation_sent_ahead_that_gets_no_kv_is_replaced_by_the_one_after_
     assert (sent[1].body["prompt"], lease_of(sent[1].body)) == ([*PROMPT_IDS, 42], 2)
     assert metric(router, 'pdcluster_decode_ahead_total{outcome="lost"}') == 1
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 2
+
+
+def test_a_continuation_sent_ahead_whose_decode_dies_before_its_first_event_moves_on():
+    """The decode replica a continuation was sent ahead to dies before its stream's first event
+    (the router was reading for it: relay.first_event). The break reaches the relay as if it had
+    read it itself: the stream moves to the other decode replica, from the prefill's token."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, decode_ahead=True))
+
+    async def dies_when_ahead(call, out):
+        params = call.body.get("kv_transfer_params")
+        if params is None:  # a migrated stream: computed from the prompt and the tokens sent
+            await resuming_decode(call, out)
+        elif kvp.AWAIT in params:
+            await out.sse([], then_hang_up=True)
+        else:
+            await decode_answer(call, out)
+
+    decodes = {"decode-0": StandIn(dies_when_ahead), "decode-1": StandIn(dies_when_ahead)}
+    response, lines, _ = sent_ahead(router, decodes, PROMPT_IDS)
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""], lines
+    events = data(lines)
+    assert not [e for e in events if "error" in e]
+    assert [c["text"] for e in events for c in e["choices"]] == [" first", " t101", " t102", " t103"]
+    assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
