@@ -13,8 +13,9 @@ failed pull + release, or expiry.
 A lease may also be filed under a key (a decode request admitted ahead of its prefill looks it
 up by that key, never knowing the producer's request id): `handouts` answers, for a set of keys,
 the signed lease and the prefill's first token of those registered so far, waiting for one to
-come when none has (until its caller goes away). Ended leases keep their handout a while (ENDED_MEMORY): a late lookup
-still learns the first token, and its pull then fails as for any ended lease.
+come when none has (until its caller goes away). Ended leases keep their handout a while
+(ENDED_MEMORY): a late lookup still learns the first token, and its pull then fails as for any
+ended lease.
 """
 
 from __future__ import annotations

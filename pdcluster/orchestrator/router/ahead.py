@@ -22,7 +22,7 @@ from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation
-from pdcluster.orchestrator.router.relay import settle
+from pdcluster.orchestrator.router.relay import error_outcome, settle
 from pdcluster.orchestrator.router.upstream import post
 
 
@@ -75,8 +75,7 @@ def lease_lost(first: dict[str, Any] | None) -> bool:
     """Is a continuation's first event the decode engine saying it got no KV (engine/kv_errors.py:
     the lease never came, or its pull failed under the fail policy)? Nothing of it reached the
     client, so the continuation sent after the prefill may go instead."""
-    error = (first or {}).get("error")
-    return isinstance(error, dict) and error.get("type") == "kv_transfer_error"
+    return first is not None and "error" in first and error_outcome(first["error"]) == "kv_transfer_error"
 
 
 class Vouchers:

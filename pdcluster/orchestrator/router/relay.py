@@ -177,8 +177,9 @@ async def relay_events(
     rewrite: Rewrite | None = None,
     progress: Progress | None = None,
 ) -> AsyncIterator[bytes]:
-    """The replica's SSE events (`chunks`: its stream's bytes) to the client: each event rewritten (`rewrite`: a continuation as
-    the client's own request), an error event counted by what it is, a broken upstream ended
+    """The replica's SSE events (`chunks`: its stream's bytes) to the client: each event
+    rewritten (`rewrite`: a continuation as the client's own request), an error event counted by
+    what it is, a broken upstream ended
     with an error event, or, when `progress` (what the client has, migration.py) can be resumed
     or nothing reached the client yet, with StreamBroke for the caller to continue the stream
     elsewhere.
@@ -234,15 +235,17 @@ async def first_event(upstream: httpx.Response) -> tuple[dict[str, Any] | None, 
         async for data in chunks:
             yield data
 
-    first = None
-    for line in batch[0] if batch else ():
-        if line.startswith("data: {"):
-            try:
-                first = json.loads(line[6:])
-            except ValueError:
-                first = None
-            break
-    return (first if isinstance(first, dict) else None), replay()
+    data_lines = [line for line in (batch[0] if batch else ()) if line.startswith("data: {")]
+    return (_data(data_lines[0]) if data_lines else None), replay()
+
+
+def _data(line: str) -> dict[str, Any] | None:
+    """A `data: {...}` line's JSON object (None if it is not one)."""
+    try:
+        data = json.loads(line[6:])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _relay_batch(
@@ -252,22 +255,17 @@ def _relay_batch(
     tokens = 0
     for event in batch:
         for line in event:
-            if line.startswith("data: {"):
-                try:
-                    data = json.loads(line[6:])
-                except ValueError:
-                    data = None
-                if isinstance(data, dict):
-                    if "error" in data:
-                        handoff.outcome = error_outcome(data["error"])
-                    else:
-                        tokens += has_token(data)
-                        if progress is not None:
-                            data = progress.observe(data)
-                        if rewrite is not None:
-                            data = rewrite(data)
-                        if progress is not None or rewrite is not None:
-                            line = "data: " + json.dumps(data)
+            if line.startswith("data: {") and (data := _data(line)) is not None:
+                if "error" in data:
+                    handoff.outcome = error_outcome(data["error"])
+                else:
+                    tokens += has_token(data)
+                    if progress is not None:
+                        data = progress.observe(data)
+                    if rewrite is not None:
+                        data = rewrite(data)
+                    if progress is not None or rewrite is not None:
+                        line = "data: " + json.dumps(data)
             out.append(line)
             out.append("\n")
         out.append("\n")
