@@ -126,6 +126,9 @@ class KVProducer:
         return self.leases.handouts(keys, min(max(wait_s, 0.0), HANDOUT_WAIT_CAP_S), stop)
 
     def end_hold(self, stop: threading.Event) -> None:
-        """Set `stop` and wake the lookup it belongs to (its caller went away)."""
+        """Set `stop` and wake the lookup it belongs to (its caller went away); nothing to wake
+        once that lookup has answered (it sets `stop` itself)."""
+        if stop.is_set():
+            return
         stop.set()
         self.leases.wake()

@@ -156,12 +156,13 @@ class _Servicer:
         with self._lock:
             held = self.lookups_held < self.max_held
             self.lookups_held += held
+        stop = threading.Event()
         try:
-            stop = threading.Event()
             if held:
                 context.add_callback(functools.partial(self.producer.end_hold, stop))
             found = self.producer.handouts(list(request.keys), request.wait_ms / 1000 if held else 0.0, stop)
         finally:
+            stop.set()  # answered: the RPC's end (its callback) has no waiting lookup to wake
             with self._lock:
                 self.lookups_held -= held
         return pb.HandoutsResponse(
