@@ -316,8 +316,11 @@ WORKLOADS = {
 SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # Diagnostic setups, run only when named: pd routed by least_loaded instead of the default
 # cache_aware (what the engines' KV events cost the streams); pd-behind: pd with
-# router.decode_ahead off (the continuation sent after the prefill answered).
-DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind")
+# router.decode_ahead off (the continuation sent after the prefill answered); pd-local: pd with
+# conditional disaggregation for short prompts (router.local_prefill_max_tokens = LOCAL_PREFILL):
+# decode computes a prompt that short itself, so it never queues behind a long one on prefill.
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-local")
+LOCAL_PREFILL = 256
 
 
 def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[str]:
@@ -328,6 +331,8 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
     mode = "aggregated" if setup == "aggregated" else "disaggregated"
     policy = "least_loaded" if setup == "pd-least-loaded" else None
     router = {"decode_ahead": setup != "pd-behind"}
+    if setup == "pd-local":
+        router["local_prefill_max_tokens"] = LOCAL_PREFILL
     return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router)
 
 

@@ -55,8 +55,10 @@ from bench.serve import (  # noqa: E402
     add_client_nice,
     cpu_profile,
     cpu_snapshot,
+    profile,
     quarter,
     run_workload,
+    scrape,
     start_setup,
     warm_up,
 )
@@ -171,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                     for name in args.workloads:
                         for scale in args.scales:
                             workload = scaled(WORKLOADS[name], scale, args.quick, args.min_requests)
-                            cpu_before, t0 = cpu_snapshot(), time.monotonic()
+                            before, cpu_before, t0 = scrape(endpoint), cpu_snapshot(), time.monotonic()
                             results = run_workload(endpoint, workload, workdir, f"{setup}-{name}-{scale}")
                             cpu = cpu_profile(cpu_before, cpu_snapshot(), time.monotonic() - t0)
                             got = {"scale": scale, "repeat": repeat, **point(results, workload, cpu)}
+                            # the router's view of the same point (every stream): where TTFT goes
+                            got["router"] = profile(before, scrape(endpoint))
                             raw.setdefault(setup, {}).setdefault(name, []).append(got)
                             shown = {k: v for k, v in got.items() if k != "requests"}
                             print(setup, name, scale, json.dumps(shown), flush=True)
