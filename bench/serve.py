@@ -125,8 +125,10 @@ def bench_serve(
     unless `dataset` gives other dataset arguments."""
     cmd = [
         sys.executable,
-        "-m",
-        "pdcluster.vllm_cli",
+        str(ROOT / "bench" / "serve_client.py"),
+        "--gc-log",
+        str(out.with_suffix(".gc.json")),
+        *(["--freeze-heap"] if LOAD_GENERATOR["freeze_heap"] else []),
         "bench",
         "serve",
         "--backend",
@@ -162,23 +164,34 @@ def bench_serve(
         "--disable-tqdm",
     ]
     log = open(out.with_suffix(".log"), "wb")
-    nice = CLIENT_PRIORITY["nice"]
+    nice = LOAD_GENERATOR["nice"]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=(lambda: os.nice(nice)) if nice else None
     )
 
 
-# The load generator's scheduling priority (--client-nice): it stands in for clients on other
-# machines, but shares the 2 cores here; while the prefill engine holds one core, a generator at
-# the default priority reads its streams late and records stalls the engines and the router did
-# not have (bench/results/2026-12-02-serve-sweep-run5.md). Negative values need root.
-CLIENT_PRIORITY = {"nice": 0}
+# The load generator stands in for clients on other machines, but shares the 2 cores here.
+# nice (--client-nice): while the prefill engine holds one core, a generator at the default
+# priority reads its streams late and records stalls the engines and the router did not have
+# (bench/results/2026-12-02-serve-sweep-run5.md); negative values need root. freeze_heap
+# (--client-freeze-heap): its own full garbage collections stop pausing its reading
+# (bench/serve_client.py).
+LOAD_GENERATOR = {"nice": 0, "freeze_heap": False}
 
 
-def add_client_nice(parser: argparse.ArgumentParser) -> None:
+def add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--client-nice", type=int, default=0, help="nice value of the load generator (e.g. -10: read streams on time)"
     )
+    parser.add_argument(
+        "--client-freeze-heap",
+        action="store_true",
+        help="freeze the load generator's startup heap (its full GC pauses are recorded either way)",
+    )
+
+
+def client_settings(args: argparse.Namespace) -> None:
+    LOAD_GENERATOR.update(nice=args.client_nice, freeze_heap=args.client_freeze_heap)
 
 
 def run_workload(endpoint: str, workload: dict, workdir: Path, tag: str) -> dict:
@@ -194,6 +207,8 @@ def run_workload(endpoint: str, workload: dict, workdir: Path, tag: str) -> dict
                 f"vllm bench serve failed ({tag}/{stream}): {out.with_suffix('.log').read_text()[-3000:]}"
             )
         results[stream] = json.loads(out.read_text())
+        gc_log = out.with_suffix(".gc.json")
+        results[stream]["client_gc_pauses_ms"] = json.loads(gc_log.read_text()) if gc_log.exists() else None
     return results
 
 
@@ -221,11 +236,15 @@ def warm_up(endpoint: str, workloads: dict, workdir: Path, tag: str) -> None:
 
 
 PROFILE_METRICS = (
+    "pdcluster_itl_seconds",
     "pdcluster_prefill_seconds",
     "pdcluster_ttft_seconds",
     "pdcluster_kv_pull_seconds_total",
     "pdcluster_kv_pulls_total",
 )
+
+
+STALL_BUCKET = "0.16"  # router ITL samples above this bucket bound are stalls the router saw
 
 
 def scrape(endpoint: str) -> dict[str, float]:
@@ -236,6 +255,8 @@ def scrape(endpoint: str) -> dict[str, float]:
         return {}
     values: dict[str, float] = {}
     for name, labels, value in metric_samples(text):
+        if name == "pdcluster_itl_seconds_bucket" and labels.get("le") == STALL_BUCKET:
+            values["itl_within_stall_bucket"] = value
         if name.startswith(PROFILE_METRICS) and ("_sum" in name or "_count" in name or "total" in name):
             key = name + "".join(f"[{labels[k]}]" for k in ("replica", "outcome") if k in labels)
             values[key] = values.get(key, 0.0) + value
@@ -257,6 +278,10 @@ def profile(before: dict, after: dict) -> dict[str, float | None]:
         "router_ttft_mean_ms": mean("pdcluster_ttft_seconds"),
         "prefill_phase_mean_ms": mean("pdcluster_prefill_seconds"),
         "kv_pull_mean_ms": delta("pdcluster_kv_pull_seconds_total") / pulls * 1e3 if pulls else None,
+        # gaps between tokens the router relayed, over 160 ms: stalls upstream of the client
+        # (decode engine or router) rather than in the client's own reading
+        "router_itl_samples": delta("pdcluster_itl_seconds_count"),
+        "router_itl_over_160ms": delta("pdcluster_itl_seconds_count") - delta("itl_within_stall_bucket"),
     }
 
 
@@ -348,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["steady", "interference", "light"])
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
     parser.add_argument("--no-warm-up", action="store_true", help="measure from the setup's first request")
-    add_client_nice(parser)
+    add_client_args(parser)
     args = parser.parse_args(argv)
-    CLIENT_PRIORITY["nice"] = args.client_nice
+    client_settings(args)
     workloads = {name: quarter(WORKLOADS[name]) if args.quick else WORKLOADS[name] for name in args.workloads}
 
     raw: dict = {}

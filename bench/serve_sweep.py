@@ -48,11 +48,11 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from bench.serve import (  # noqa: E402
-    CLIENT_PRIORITY,
     DIAGNOSTIC_SETUPS,
     SETUPS,
     WORKLOADS,
-    add_client_nice,
+    add_client_args,
+    client_settings,
     cpu_profile,
     cpu_snapshot,
     profile,
@@ -100,6 +100,8 @@ def point(results: dict, workload: dict, cpu: dict) -> dict:
         "goodput_rps": decode_side.get("request_goodput"),
         "failed": sum(summarize(r)["failed"] for r in results.values()),
         "client_cpu_share": cpu["cpu_s"].get(CLIENT, 0.0) / total_cpu,
+        # the decode-side client's own full GC pauses (bench/serve_client.py), ms
+        "client_gc_pauses_ms": decode_side.get("client_gc_pauses_ms"),
     }
 
 
@@ -152,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-requests", type=int, default=150, help="decode-side requests per point, at least")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
     parser.add_argument("--no-warm-up", action="store_true", help="measure from the setup's first request")
-    add_client_nice(parser)
+    add_client_args(parser)
     args = parser.parse_args(argv)
-    CLIENT_PRIORITY["nice"] = args.client_nice
+    client_settings(args)
     raw: dict = {}
     notes: dict[str, str] = {}
     started = time.time()
@@ -205,7 +207,8 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
         "shares the 2 cores: its median share of the CPU used is shown per point. Each setup first served a "
         "quarter of each workload at the lowest rate with other prompts, not measured"
         + (" (skipped in this run: --no-warm-up)." if args.no_warm_up else ".")
-        + (f" The load generator ran at nice {args.client_nice}." if args.client_nice else ""),
+        + (f" The load generator ran at nice {args.client_nice}." if args.client_nice else "")
+        + (" Its startup heap was frozen (bench/serve_client.py)." if args.client_freeze_heap else ""),
         "",
     ]
     medians = {setup: {name: median_points(points) for name, points in per.items()} for setup, per in raw.items()}
