@@ -126,8 +126,8 @@ def bench_serve(
     cmd = [
         sys.executable,
         str(ROOT / "bench" / "serve_client.py"),
-        "--gc-log",
-        str(out.with_suffix(".gc.json")),
+        "--watch-log",
+        str(out.with_suffix(".watch.json")),
         *(["--freeze-heap"] if LOAD_GENERATOR["freeze_heap"] else []),
         "bench",
         "serve",
@@ -207,8 +207,8 @@ def run_workload(endpoint: str, workload: dict, workdir: Path, tag: str) -> dict
                 f"vllm bench serve failed ({tag}/{stream}): {out.with_suffix('.log').read_text()[-3000:]}"
             )
         results[stream] = json.loads(out.read_text())
-        gc_log = out.with_suffix(".gc.json")
-        results[stream]["client_gc_pauses_ms"] = json.loads(gc_log.read_text()) if gc_log.exists() else None
+        watch = out.with_suffix(".watch.json")  # the client's GC pauses and its own stalls (serve_client.py)
+        results[stream]["client_watch"] = json.loads(watch.read_text()) if watch.exists() else None
     return results
 
 
@@ -244,7 +244,7 @@ PROFILE_METRICS = (
 )
 
 
-STALL_BUCKET = "0.16"  # router ITL samples above this bucket bound are stalls the router saw
+STALL_BUCKETS = ("0.08", "0.16")  # router ITL samples above these bucket bounds: stalls the router saw
 
 
 def scrape(endpoint: str) -> dict[str, float]:
@@ -255,8 +255,8 @@ def scrape(endpoint: str) -> dict[str, float]:
         return {}
     values: dict[str, float] = {}
     for name, labels, value in metric_samples(text):
-        if name == "pdcluster_itl_seconds_bucket" and labels.get("le") == STALL_BUCKET:
-            values["itl_within_stall_bucket"] = value
+        if name == "pdcluster_itl_seconds_bucket" and labels.get("le") in STALL_BUCKETS:
+            values[f"itl_within_{labels['le']}"] = value
         if name.startswith(PROFILE_METRICS) and ("_sum" in name or "_count" in name or "total" in name):
             key = name + "".join(f"[{labels[k]}]" for k in ("replica", "outcome") if k in labels)
             values[key] = values.get(key, 0.0) + value
@@ -278,10 +278,13 @@ def profile(before: dict, after: dict) -> dict[str, float | None]:
         "router_ttft_mean_ms": mean("pdcluster_ttft_seconds"),
         "prefill_phase_mean_ms": mean("pdcluster_prefill_seconds"),
         "kv_pull_mean_ms": delta("pdcluster_kv_pull_seconds_total") / pulls * 1e3 if pulls else None,
-        # gaps between tokens the router relayed, over 160 ms: stalls upstream of the client
-        # (decode engine or router) rather than in the client's own reading
+        # gaps between the tokens the router relayed, over 80 and 160 ms: stalls upstream of the
+        # client (decode engine or router), not in the client's own reading
         "router_itl_samples": delta("pdcluster_itl_seconds_count"),
-        "router_itl_over_160ms": delta("pdcluster_itl_seconds_count") - delta("itl_within_stall_bucket"),
+        **{
+            f"router_itl_over_{float(le) * 1e3:.0f}ms": delta("pdcluster_itl_seconds_count") - delta(f"itl_within_{le}")
+            for le in STALL_BUCKETS
+        },
     }
 
 

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
@@ -100,8 +102,8 @@ def point(results: dict, workload: dict, cpu: dict) -> dict:
         "goodput_rps": decode_side.get("request_goodput"),
         "failed": sum(summarize(r)["failed"] for r in results.values()),
         "client_cpu_share": cpu["cpu_s"].get(CLIENT, 0.0) / total_cpu,
-        # the decode-side client's own full GC pauses (bench/serve_client.py), ms
-        "client_gc_pauses_ms": decode_side.get("client_gc_pauses_ms"),
+        # the decode-side client's own full GC pauses and stalls (bench/serve_client.py)
+        "client_watch": decode_side.get("client_watch"),
     }
 
 
@@ -176,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                         for scale in args.scales:
                             workload = scaled(WORKLOADS[name], scale, args.quick, args.min_requests)
                             before, cpu_before, t0 = scrape(endpoint), cpu_snapshot(), time.monotonic()
+                            stolen = psutil.cpu_times().steal
                             results = run_workload(endpoint, workload, workdir, f"{setup}-{name}-{scale}")
-                            cpu = cpu_profile(cpu_before, cpu_snapshot(), time.monotonic() - t0)
+                            wall = time.monotonic() - t0
+                            cpu = cpu_profile(cpu_before, cpu_snapshot(), wall)
                             got = {"scale": scale, "repeat": repeat, **point(results, workload, cpu)}
+                            # CPU time the hypervisor gave to others while this VM's cores wanted it
+                            got["steal_share"] = (psutil.cpu_times().steal - stolen) / (wall * psutil.cpu_count())
                             # the router's view of the same point (every stream): where TTFT goes
                             got["router"] = profile(before, scrape(endpoint))
                             raw.setdefault(setup, {}).setdefault(name, []).append(got)
