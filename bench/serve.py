@@ -274,17 +274,15 @@ def profile(before: dict, after: dict) -> dict[str, float | None]:
         return delta(f"{name}_sum") / count * 1e3 if count else None
 
     pulls = delta("pdcluster_kv_pulls_total")
+    gaps = delta("pdcluster_itl_seconds_count")
     return {
         "router_ttft_mean_ms": mean("pdcluster_ttft_seconds"),
         "prefill_phase_mean_ms": mean("pdcluster_prefill_seconds"),
         "kv_pull_mean_ms": delta("pdcluster_kv_pull_seconds_total") / pulls * 1e3 if pulls else None,
         # gaps between the tokens the router relayed, over 80 and 160 ms: stalls upstream of the
         # client (decode engine or router), not in the client's own reading
-        "router_itl_samples": delta("pdcluster_itl_seconds_count"),
-        **{
-            f"router_itl_over_{float(le) * 1e3:.0f}ms": delta("pdcluster_itl_seconds_count") - delta(f"itl_within_{le}")
-            for le in STALL_BUCKETS
-        },
+        "router_itl_samples": gaps,
+        **{f"router_itl_over_{float(le) * 1e3:.0f}ms": gaps - delta(f"itl_within_{le}") for le in STALL_BUCKETS},
     }
 
 

@@ -38,8 +38,7 @@ def main() -> int:
     parser.add_argument("--watch-log", type=Path, required=True)
     parser.add_argument("--freeze-heap", action="store_true")
     args, vllm_args = parser.parse_known_args()
-    compat.answer_vllm_version_lookup()
-    compat.cli_main()  # vLLM's CLI and what it imports: before the freeze and the watch
+    compat.answer_vllm_version_lookup()  # imports vLLM's CLI: before the freeze and the watch
     import vllm.benchmarks.serve  # noqa: F401
 
     if args.freeze_heap:
