@@ -35,11 +35,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shipped_config() -> dict:
+    """The default cluster's YAML (configs/local-cpu.yaml, what `make run` launches)."""
+    return yaml.safe_load((ROOT / "configs" / "local-cpu.yaml").read_text())
+
+
 def base_config(name: str, **overrides) -> dict:
-    config = yaml.safe_load((ROOT / "configs" / "local-cpu.yaml").read_text())
+    """The default cluster, named `name`, on the bench model, with every prompt taking the P/D
+    path (no local prefill: the path most benchmarks measure) unless `overrides` set it."""
+    config = shipped_config()
     config["name"] = name
     config["model"]["path"] = str(MODEL)
     config["router"]["port"] = free_port()
+    config["router"]["local_prefill_max_tokens"] = 0
     merge(config, overrides)
     return config
 

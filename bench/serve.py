@@ -3,7 +3,8 @@
 Setups, started in turn on the same 2 cores with the same model and engine settings:
   pd          pdcluster, 1 prefill (core 0) + 1 decode (core 1), KV over our connector (backend
               `auto`: shared memory, both on one node); streams get the prefill's first token at
-              once (router.first_token_from_prefill, the default)
+              once (router.first_token_from_prefill); prompts of at most 256 tokens go to decode
+              alone (router.local_prefill_max_tokens): the default cluster's router settings
   aggregated  pdcluster `mode: aggregated`, 2 replicas (core 0, core 1), no handoff
   vllm-pd     two stock `vllm serve` engines with vLLM's NixlConnector (prefill core 0, decode
               core 1) behind a minimal proxy doing the do_remote_decode -> kv_transfer_params
@@ -51,6 +52,7 @@ from bench.common import (  # noqa: E402
     cluster,
     metric_samples,
     process_role,
+    shipped_config,
 )
 from bench.serve_report import report, summarize  # noqa: E402
 from bench.vllm_pd_proxy import vllm_pd_setup  # noqa: E402
@@ -342,11 +344,13 @@ WORKLOADS = {
 SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # Diagnostic setups, run only when named: pd routed by least_loaded instead of the default
 # cache_aware (what the engines' KV events cost the streams); pd-behind: pd with
-# router.decode_ahead off (the continuation sent after the prefill answered); pd-local: pd with
-# conditional disaggregation for short prompts (router.local_prefill_max_tokens = LOCAL_PREFILL):
-# decode computes a prompt that short itself, so it never queues behind a long one on prefill.
-DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-local")
-LOCAL_PREFILL = 256
+# router.decode_ahead off (the continuation sent after the prefill answered); pd-remote: pd with
+# conditional disaggregation off (router.local_prefill_max_tokens 0: every prompt, however short,
+# takes the prefill hop; runs 1-11's `pd`, whose short prompts queued behind long ones on prefill).
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote")
+# `pd` and `pd-classic` run the default cluster's router settings (configs/local-cpu.yaml),
+# conditional disaggregation for short prompts included (runs 10-11 called that `pd-local`).
+LOCAL_PREFILL = shipped_config()["router"]["local_prefill_max_tokens"]
 
 
 def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[str]:
@@ -356,9 +360,10 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
         return vllm_pd_setup(workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache)
     mode = "aggregated" if setup == "aggregated" else "disaggregated"
     policy = "least_loaded" if setup == "pd-least-loaded" else None
-    router = {"decode_ahead": setup != "pd-behind"}
-    if setup == "pd-local":
-        router["local_prefill_max_tokens"] = LOCAL_PREFILL
+    router = {
+        "decode_ahead": setup != "pd-behind",
+        "local_prefill_max_tokens": 0 if setup == "pd-remote" else LOCAL_PREFILL,
+    }
     return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router)
 
 
