@@ -10,7 +10,11 @@ pauses, but they would not be the server's either, and here they land inside the
 its heap, vllm.utils.gc_utils.freeze_gc_heap), so its full collections walk only what the run
 allocated; the pauses are recorded either way (`--watch-log`: JSON, `gc_pauses_ms`), and so is
 every time the process itself did not run for over 50 ms (`late`: a thread that wakes every
-10 ms, when and how late it woke): stalls only the client had.
+10 ms, when and how late it woke): stalls only the client had. Each such wake-up also says where
+the time went, from the kernel's per-thread accounting (/proc/<pid>/task/<tid>/schedstat) and the
+hypervisor's steal count (/proc/stat) over that tick: how long the event loop's thread ran (busy
+in the client itself, holding the GIL), how long it and the watch thread waited runnable for a
+CPU (descheduled), and how long the vCPUs were stolen. None of those: the thread was blocked.
 
 Usage: python bench/serve_client.py --watch-log PATH [--freeze-heap] bench serve [vLLM flags...]
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -31,6 +36,33 @@ from pdcluster import compat, vllm_cli  # noqa: E402
 
 TICK_S = 0.01  # the watch thread's wake-up interval
 LATE_S = 0.05  # a wake-up this much late is recorded
+USER_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def thread_ns(tid: int) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable waiting for one) of this process's thread `tid`."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        on_cpu, waiting, _ = f.read().split()
+    return int(on_cpu), int(waiting)
+
+
+def steal_ms() -> float:
+    """Time the hypervisor ran something else on this VM's vCPUs, all vCPUs summed."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) * 1e3 / USER_HZ
+
+
+def where(before: tuple, after: tuple) -> list[float]:
+    """[event loop on CPU, event loop runnable, watch runnable, stolen] in ms between two
+    samples of (event loop's thread_ns, watch's thread_ns, steal_ms)."""
+    (loop_cpu0, loop_wait0), (_, watch_wait0), steal0 = before
+    (loop_cpu1, loop_wait1), (_, watch_wait1), steal1 = after
+    return [
+        round((loop_cpu1 - loop_cpu0) / 1e6, 1),
+        round((loop_wait1 - loop_wait0) / 1e6, 1),
+        round((watch_wait1 - watch_wait0) / 1e6, 1),
+        round(steal1 - steal0, 1),
+    ]
 
 
 def main() -> int:
@@ -60,14 +92,21 @@ def main() -> int:
     done = threading.Event()
     began = time.perf_counter()
 
+    loop_tid = threading.main_thread().native_id  # vllm bench serve's asyncio loop runs here
+
+    def sample() -> tuple:
+        return thread_ns(loop_tid), thread_ns(threading.get_native_id()), steal_ms()
+
     def watch() -> None:
         while True:
-            before = time.perf_counter()
+            before, counters = time.perf_counter(), sample()
             if done.wait(TICK_S):
                 return
             now = time.perf_counter()
-            if now - before - TICK_S > LATE_S:  # [when (s since the watch began), how late (ms)]
+            if now - before - TICK_S > LATE_S:
+                # [when (s since the watch began), how late (ms), *where(...)]
                 late.append([round(now - began, 2), round((now - before - TICK_S) * 1e3, 1)])
+                late[-1] += where(counters, sample())
 
     threading.Thread(target=watch, daemon=True).start()
     try:

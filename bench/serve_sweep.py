@@ -214,7 +214,8 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
         "quarter of each workload at the lowest rate with other prompts, not measured"
         + (" (skipped in this run: --no-warm-up)." if args.no_warm_up else ".")
         + (f" The load generator ran at nice {args.client_nice}." if args.client_nice else "")
-        + (" Its startup heap was frozen (bench/serve_client.py)." if args.client_freeze_heap else ""),
+        + (" Its startup heap was frozen (bench/serve_client.py)." if args.client_freeze_heap else "")
+        + (" The kernel's scheduler autogroups were off (--no-autogroups)." if args.no_autogroups else ""),
         "",
     ]
     medians = {setup: {name: median_points(points) for name, points in per.items()} for setup, per in raw.items()}

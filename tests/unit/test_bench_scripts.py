@@ -50,3 +50,20 @@ def test_sweep_points_hold_enough_requests_at_the_same_rates():
     assert point["attainment"] == {"a": 0.5} and point["spread"] == {"a": (0.2, 0.9)}
     assert point["goodput_rps"] == 1.5 and point["failed"] == 1 and point["misses"] == {"ttft": 3}
     assert point["requests"] == 9 and point["repeats"] == 3
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="kernel without scheduler autogroups")
+def test_the_load_generator_gets_its_priority_across_sessions(tmp_path, monkeypatch):
+    """With the kernel's autogroups, nice counts only within a session: the load generator must
+    run in a session (autogroup) of its own at its nice, or the cluster's session keeps it off
+    the CPU regardless (bench/results/2026-12-03-serve-sweep-probe-autogroup.md)."""
+    from bench import serve
+
+    monkeypatch.setitem(serve.LOAD_GENERATOR, "nice", 5)  # positive: no privilege needed
+    out = tmp_path / "generator"
+    with out.open("wb") as log:
+        proc = serve.start_generator(["sh", "-c", "cat /proc/self/autogroup; nice"], log)
+        assert proc.wait(30) == 0
+    group, niceness = out.read_text().splitlines()
+    assert group.endswith("nice 5") and niceness == "5"
+    assert group.split()[0] != Path("/proc/self/autogroup").read_text().split()[0]
