@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import SLOS, attainment, base_config, cluster, machine, slo_key, status, write_results  # noqa: E402
-from bench.serve import bench_serve, random_dataset  # noqa: E402
+from bench.serve import add_client_args, bench_serve, client_settings, random_dataset  # noqa: E402
 
 PHASES = {
     "prompt": dict(input_len=3000, output_len=8, rate=2.0, seconds=60, seed=11),
@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
+    add_client_args(parser)  # the load generator's priority (bench/serve.py)
     args = parser.parse_args(argv)
+    client_settings(args)
     raw: dict = {}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="pdcluster-planner-") as tmp:

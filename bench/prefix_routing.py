@@ -47,7 +47,7 @@ from bench.common import (  # noqa: E402
     summarize,
     write_results,
 )
-from bench.serve import bench_serve  # noqa: E402
+from bench.serve import add_client_args, bench_serve, client_settings  # noqa: E402
 from bench.serve_report import summarize as summarize_serve  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size
@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
+    add_client_args(parser)  # the load generator's priority (bench/serve.py)
     args = parser.parse_args(argv)
+    client_settings(args)
     prompts = PROMPTS // 4 if args.quick else PROMPTS
     raw: dict = {}
     with tempfile.TemporaryDirectory(prefix="pdcluster-prefix-") as tmp:
