@@ -396,8 +396,11 @@ SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # cache_aware (what the engines' KV events cost the streams); pd-behind: pd with
 # router.decode_ahead off (the continuation sent after the prefill answered); pd-remote: pd with
 # conditional disaggregation off (router.local_prefill_max_tokens 0: every prompt, however short,
-# takes the prefill hop; runs 1-11's `pd`, whose short prompts queued behind long ones on prefill).
-DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote")
+# takes the prefill hop; runs 1-11's `pd`, whose short prompts queued behind long ones on prefill);
+# pd-queue: pd with conditional disaggregation by load as well (router.local_prefill_queue_tokens =
+# LOCAL_QUEUE: decode computes a prompt that would queue behind that many tokens on prefill).
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-queue")
+LOCAL_QUEUE = 512
 # `pd` and `pd-classic` run the default cluster's router settings (configs/local-cpu.yaml),
 # conditional disaggregation for short prompts included (runs 10-11 called that `pd-local`).
 LOCAL_PREFILL = shipped_config()["router"]["local_prefill_max_tokens"]
@@ -413,6 +416,7 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
     router = {
         "decode_ahead": setup != "pd-behind",
         "local_prefill_max_tokens": 0 if setup == "pd-remote" else LOCAL_PREFILL,
+        "local_prefill_queue_tokens": LOCAL_QUEUE if setup == "pd-queue" else 0,
     }
     return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router)
 

@@ -220,6 +220,13 @@ class RouterSection(_Model):
         "prompt tokens (its cache holds the rest, or the prompt is that short) skips the prefill hop and the KV "
         "transfer (0: never).",
     )
+    local_prefill_queue_tokens: int = Field(
+        0,
+        ge=0,
+        le=1 << 24,
+        description="Conditional disaggregation by load: a request whose prompt would queue behind at least this "
+        "many prompt tokens on every ready prefill replica is prefilled by its decode replica (0: never).",
+    )
     api_keys: list[str] = Field(default_factory=list, description="Accepted Bearer keys (empty: open).")
     api_keys_file: str | None = Field(None, description="File with one API key per line.")
     request_timeout_seconds: float = Field(

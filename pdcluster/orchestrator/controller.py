@@ -196,6 +196,7 @@ class Controller:
             decode_ahead=cfg.router.decode_ahead,
             migration_limit=cfg.router.migration_limit,
             local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
+            local_prefill_queue_tokens=cfg.router.local_prefill_queue_tokens,
             slo_window_s=cfg.autoscale.window_seconds,
             abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
             engine_token=engine_http_token(self._secret),

@@ -94,6 +94,53 @@ def test_short_prompts_skip_the_prefill_under_local_prefill_max_tokens():
     assert router.route_decisions() == {"local_prefill": 1, "pd": 1}
 
 
+def test_prompts_go_to_decode_while_prefill_has_local_prefill_queue_tokens_in_flight():
+    """Conditional disaggregation by load: while the one prefill replica still computes a
+    20-token prompt, the next prompt would queue behind 20 tokens (the threshold: 10), so decode
+    computes it itself (counted as local_queue); once prefill is free, prompts take P/D again."""
+    settings = RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, local_prefill_queue_tokens=10)
+    router = Router(settings)
+    computing, finish = asyncio.Event(), asyncio.Event()
+    prefilled = prefill_answer()
+
+    async def busy_prefill(call, out):
+        computing.set()
+        await finish.wait()
+        await prefilled(call, out)
+
+    async def local_answer(call, out):
+        if "kv_transfer_params" in call.body:
+            await decode_answer(call, out)
+        else:
+            await out.json({"id": "cmpl-d", "choices": [{"index": 0, "text": "local"}]})
+
+    prefill, decode = StandIn(busy_prefill), StandIn(local_answer)
+    body = {"model": "tiny", "prompt": list(range(20)), "max_tokens": 2}
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            first = asyncio.create_task(post(url, "/v1/completions", body))
+            await computing.wait()
+            queued, _ = await post(url, "/v1/completions", body)
+            finish.set()
+            (first, _), (after, _) = await first, await post(url, "/v1/completions", body)
+            return first, queued, after
+        finally:
+            await router.stop()
+            prefill.close()
+            decode.close()
+
+    first, queued, after = asyncio.run(scenario())
+    assert queued.json()["choices"][0]["text"] == "local" and "x-pdcluster-prefill" not in queued.headers
+    assert first.json()["choices"][0]["text"] == "decoded lease 1"
+    assert (
+        after.json()["choices"][0]["text"] == "decoded lease 2" and after.headers["x-pdcluster-prefill"] == "prefill-0"
+    )
+    assert router.route_decisions() == {"local_queue": 1, "pd": 2}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_without_events_a_repeated_prompt_follows_the_routers_history(stream):
     """Replicas that publish no KV events (stand-ins answer 404 there): the router matches from the

@@ -67,6 +67,7 @@ def test_shipped_configs_are_valid(name):
         ),
         ({**BASE, "router": {"policy": "random"}}, "router.policy: Input should be 'least_loaded', 'round_robin' or"),
         ({**BASE, "router": {"local_prefill_max_tokens": -1}}, "router.local_prefill_max_tokens: must be ≥ 0"),
+        ({**BASE, "router": {"local_prefill_queue_tokens": -1}}, "router.local_prefill_queue_tokens: must be ≥ 0"),
         ({**BASE, "autoscale": {"prefill": {"min": 3, "max": 2}}}, "autoscale.prefill.min: must be ≤ max (3 > 2)"),
         (
             {**BASE, "autoscale": {"enabled": True, "decode": {"min": 2, "max": 3}}},

@@ -94,7 +94,7 @@ class Router:
                 self.metrics.planner_replicas.labels(role, kind).set(count)
 
     def route_decisions(self) -> dict[str, int]:
-        """Disaggregated requests so far by path (`pd`, `decode`, `local_prefill`), as /metrics counts them."""
+        """Disaggregated requests so far by path (`pd`, `decode`, `local_prefill`, `local_queue`), as /metrics counts them."""
         counts = {}
         for metric in self.metrics.routes.collect():
             for sample in metric.samples:

@@ -227,7 +227,9 @@ class PhaseRunner:
         `pd` (prefill, then decode pulls the KV), `decode` (decode computes the prompt: several
         choices, or no prefill ready) or `local_prefill` (conditional disaggregation: the decode
         replica holds all but at most router.local_prefill_max_tokens of the prompt, or the
-        prompt is that short, so it computes the rest itself: no prefill hop, no transfer)."""
+        prompt is that short, so it computes the rest itself: no prefill hop, no transfer), or
+        `local_queue` (the same because every ready prefill replica has at least
+        router.local_prefill_queue_tokens prompt tokens in flight: the prompt would queue there)."""
         if not self.settings.disaggregated or h.routed:
             return
         h.routed = True
@@ -236,6 +238,11 @@ class PhaseRunner:
         if not h.local and limit > 0 and h.tokens - h.cached.get(h.answering.replica_id, 0) <= limit:
             h.local, h.continuing = True, False
             self.metrics.routes.labels("local_prefill").inc()
+            return
+        queue = self.settings.local_prefill_queue_tokens
+        if not h.local and queue > 0 and (self.pool.prefill_queue() or 0) >= queue:
+            h.local, h.continuing = True, False
+            self.metrics.routes.labels("local_queue").inc()
             return
         self.metrics.routes.labels("decode" if h.local else "pd").inc()
 

@@ -87,6 +87,15 @@ class ReplicaPool:
     def inflight(self) -> dict[str, int]:
         return {rid: r.inflight_requests for rid, r in self.replicas.items()}
 
+    def prefill_queue(self) -> int | None:
+        """Prompt tokens in flight on the least loaded ready prefill replica (None: none ready)."""
+        queues = [
+            r.inflight_prompt_tokens
+            for r in self.replicas.values()
+            if r.role == "prefill" and r.state == ReplicaState.READY
+        ]
+        return min(queues, default=None)
+
     def ready_roles(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for r in self.replicas.values():

@@ -23,6 +23,7 @@ class RouterSettings:
     decode_ahead: bool = True  # router.decode_ahead (handoff.py): decode sent with the prefill
     migration_limit: int = 2  # router.migration_limit: moves of one stream to another decode replica
     local_prefill_max_tokens: int = 0  # router.local_prefill_max_tokens (conditional disaggregation)
+    local_prefill_queue_tokens: int = 0  # router.local_prefill_queue_tokens (the same, by prefill load)
     slo_window_s: float = 30.0  # autoscale.window_seconds: the p90s the SLO planner reads
     # The model's generation_config.json as request defaults (continuation.request_defaults):
     # what the engines apply to fields a client leaves out, so the router decides as they run.
