@@ -444,4 +444,7 @@ def test_no_secret_in_status_or_logs(cluster):
 def test_api_metrics_count_outcomes(cluster):
     text = httpx.get(cluster.endpoint + "/metrics", timeout=30).text
     assert re.search(r'pdcluster_requests_total\{endpoint="completions",outcome="client_error"\} [1-9]', text)
-    assert re.search(r'pdcluster_retries_total\{role="(prefill|decode)"\} [1-9]', text)
+    # The kills above were recovered and counted: a retry on another replica, or (a decode
+    # stream cut mid-way) its migration; which one a kill produces depends on when it lands.
+    retried = re.search(r'pdcluster_retries_total\{role="(prefill|decode)"\} [1-9]', text)
+    assert retried or migrations(cluster) >= 1
