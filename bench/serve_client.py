@@ -105,8 +105,9 @@ def main() -> int:
             now = time.perf_counter()
             if now - before - TICK_S > LATE_S:
                 # [when (s since the watch began), how late (ms), *where(...)]
-                late.append([round(now - began, 2), round((now - before - TICK_S) * 1e3, 1)])
-                late[-1] += where(counters, sample())
+                late.append(
+                    [round(now - began, 2), round((now - before - TICK_S) * 1e3, 1), *where(counters, sample())]
+                )
 
     threading.Thread(target=watch, daemon=True).start()
     try:

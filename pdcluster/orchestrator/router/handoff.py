@@ -234,15 +234,12 @@ class PhaseRunner:
             return
         h.routed = True
         assert h.answering is not None
-        limit = self.settings.local_prefill_max_tokens
-        if not h.local and limit > 0 and h.tokens - h.cached.get(h.answering.replica_id, 0) <= limit:
+        limit, queue = self.settings.local_prefill_max_tokens, self.settings.local_prefill_queue_tokens
+        short = limit > 0 and h.tokens - h.cached.get(h.answering.replica_id, 0) <= limit
+        queued = not short and queue > 0 and self.pool.prefill_queue() >= queue
+        if not h.local and (short or queued):
             h.local, h.continuing = True, False
-            self.metrics.routes.labels("local_prefill").inc()
-            return
-        queue = self.settings.local_prefill_queue_tokens
-        if not h.local and queue > 0 and (self.pool.prefill_queue() or 0) >= queue:
-            h.local, h.continuing = True, False
-            self.metrics.routes.labels("local_queue").inc()
+            self.metrics.routes.labels("local_prefill" if short else "local_queue").inc()
             return
         self.metrics.routes.labels("decode" if h.local else "pd").inc()
 

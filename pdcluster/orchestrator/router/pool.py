@@ -87,14 +87,14 @@ class ReplicaPool:
     def inflight(self) -> dict[str, int]:
         return {rid: r.inflight_requests for rid, r in self.replicas.items()}
 
-    def prefill_queue(self) -> int | None:
-        """Prompt tokens in flight on the least loaded ready prefill replica (None: none ready)."""
+    def prefill_queue(self) -> int:
+        """Prompt tokens in flight on the least loaded ready prefill replica (0: none ready)."""
         queues = [
             r.inflight_prompt_tokens
             for r in self.replicas.values()
             if r.role == "prefill" and r.state == ReplicaState.READY
         ]
-        return min(queues, default=None)
+        return min(queues, default=0)
 
     def ready_roles(self) -> dict[str, int]:
         counts: dict[str, int] = {}
