@@ -25,10 +25,40 @@ EXIT_FAILURE = 1
 FOREGROUND_STOP_TIMEOUT_S = 300  # a foreground `up` stops its engines gracefully first
 
 
+# The command's own output stream once Ray is connected (ray_connect); None before.
+_command_stdout = None
+
+
 def out(text: str = "") -> None:
-    """User-facing output (not logging)."""
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
+    """User-facing output (not logging): the only writer to stdout once Ray is connected."""
+    stream = _command_stdout or sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def ray_connect(address: str, namespace: str) -> None:
+    """Join Ray as a driver. Ray's driver prints every cluster-wide error (a node marked dead, a
+    worker killed) to sys.stdout from a thread of its own, whatever log_to_driver says
+    (ray/_private/worker.py listen_error_messages): from here on sys.stdout is stderr, so those
+    lines reach the operator there and stdout carries only out()'s, e.g. `status --json`."""
+    global _command_stdout
+    import ray
+
+    if _command_stdout is None:
+        _command_stdout, sys.stdout = sys.stdout, sys.stderr
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING)
+
+
+def _ray_disconnect() -> None:
+    """Leave Ray, whose leftover error lines flush on the way out (still to stderr), then give
+    sys.stdout back."""
+    global _command_stdout
+    if _command_stdout is None:
+        return
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    sys.stdout, _command_stdout = _command_stdout, None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +134,7 @@ def _connect(session) -> Any:
     from pdcluster.orchestrator.controller import controller_name
 
     if not ray.is_initialized():
-        ray.init(
-            address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING
-        )
+        ray_connect(session.ray_address, session.namespace)
     try:
         return ray.get_actor(controller_name(session.name), namespace=session.namespace)
     except ValueError:
@@ -139,7 +167,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     session.save()
     controller = None
     try:
-        ray.init(address=address, namespace=config.ray.namespace, log_to_driver=False, logging_level=logging.WARNING)
+        ray_connect(address, config.ray.namespace)
         # The controller and the router go to the head (or router.placement): a node none can
         # be is refused here, before Ray would queue the controller forever.
         problem = unplaceable(*orchestrator_placement(config.router.placement), ray.nodes())
@@ -276,16 +304,13 @@ def _stop_foreground(session) -> bool:
 
 
 def _connect_quietly(session) -> None:
-    import ray
 
     if session.head_pid is not None:
         from pdcluster.orchestrator.session import process_group_alive
 
         if not process_group_alive(session.head_pid):
             return  # the head is gone already: nothing to connect to
-    ray.init(
-        address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING
-    )
+    ray_connect(session.ray_address, session.namespace)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -445,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"pdcluster: {args.command} failed: {type(exc).__name__}: {first}\n")
         logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
         return EXIT_FAILURE
+    finally:
+        _ray_disconnect()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ prefill + decode actors, router), the official openai client, scaling under load
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 import threading
@@ -263,6 +264,33 @@ def test_status_json_reflects_cluster(cluster):
     assert cluster.endpoint in table and "MTP acceptance" in table
     assert "async scheduling off (turned off by vLLM's cpu platform)" in table
     assert "worker process kept" not in table
+
+
+def test_status_json_stays_parseable_while_ray_reports_cluster_errors(cluster):
+    """Ray's driver prints each cluster-wide error (a node marked dead, a worker killed) to
+    sys.stdout from a thread of its own (ray/_private/worker.py listen_error_messages): the CLI's
+    stdout must still be only `status --json`'s document, the errors going to stderr."""
+    from ray._private.utils import publish_error_to_driver
+    from ray._raylet import GcsClient
+
+    session = json.loads((cluster.home / f"{cluster.name}.json").read_text())
+    gcs = GcsClient(address=session["ray_address"])
+    message = "a cluster error every driver prints"
+    stop = threading.Event()
+
+    def publish() -> None:  # all through the command's life, so some land while it is connected
+        while not stop.wait(0.02):
+            publish_error_to_driver("pdcluster_test", message, gcs)
+
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    try:
+        result = cluster.cli("status", "--json", "--name", cluster.name)
+    finally:
+        stop.set()
+        publisher.join()
+    assert message in result.stderr  # the errors did reach the command while it ran
+    assert json.loads(result.stdout)["endpoint"] == cluster.endpoint
 
 
 def _model_processes(home: Path) -> list[psutil.Process]:
