@@ -48,6 +48,7 @@ def base_config(name: str, **overrides) -> dict:
     config["model"]["path"] = str(MODEL)
     config["router"]["port"] = free_port()
     config["router"]["local_prefill_max_tokens"] = 0
+    config["router"]["local_prefill_queue_tokens"] = 0
     merge(config, overrides)
     return config
 

@@ -4,7 +4,9 @@ Setups, started in turn on the same 2 cores with the same model and engine setti
   pd          pdcluster, 1 prefill (core 0) + 1 decode (core 1), KV over our connector (backend
               `auto`: shared memory, both on one node); streams get the prefill's first token at
               once (router.first_token_from_prefill); prompts of at most 256 tokens go to decode
-              alone (router.local_prefill_max_tokens): the default cluster's router settings
+              alone (router.local_prefill_max_tokens), and prompts of at most 512 that would queue
+              behind 512 on prefill (router.local_prefill_queue_tokens): the default cluster's
+              router settings
   aggregated  pdcluster `mode: aggregated`, 2 replicas (core 0, core 1), no handoff
   vllm-pd     two stock `vllm serve` engines with vLLM's NixlConnector (prefill core 0, decode
               core 1) behind a minimal proxy doing the do_remote_decode -> kv_transfer_params
@@ -395,15 +397,16 @@ SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # Diagnostic setups, run only when named: pd routed by least_loaded instead of the default
 # cache_aware (what the engines' KV events cost the streams); pd-behind: pd with
 # router.decode_ahead off (the continuation sent after the prefill answered); pd-remote: pd with
-# conditional disaggregation off (router.local_prefill_max_tokens 0: every prompt, however short,
-# takes the prefill hop; runs 1-11's `pd`, whose short prompts queued behind long ones on prefill);
-# pd-queue: pd with conditional disaggregation by load as well (router.local_prefill_queue_tokens =
-# LOCAL_QUEUE: decode computes a prompt that would queue behind that many tokens on prefill).
-DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-queue")
-LOCAL_QUEUE = 512
+# conditional disaggregation off (router.local_prefill_max_tokens and local_prefill_queue_tokens 0:
+# every prompt, however short and however long prefill's queue, takes the prefill hop; runs 1-11's
+# `pd`, whose short prompts queued behind long ones on prefill).
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote")
 # `pd` and `pd-classic` run the default cluster's router settings (configs/local-cpu.yaml),
-# conditional disaggregation for short prompts included (runs 10-11 called that `pd-local`).
-LOCAL_PREFILL = shipped_config()["router"]["local_prefill_max_tokens"]
+# conditional disaggregation included: for short prompts (runs 10-11 called that `pd-local`) and
+# by prefill's queue (run 15 called that `pd-queue`).
+LOCAL_PREFILL = {
+    key: shipped_config()["router"][key] for key in ("local_prefill_max_tokens", "local_prefill_queue_tokens")
+}
 
 
 def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[str]:
@@ -415,8 +418,7 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
     policy = "least_loaded" if setup == "pd-least-loaded" else None
     router = {
         "decode_ahead": setup != "pd-behind",
-        "local_prefill_max_tokens": 0 if setup == "pd-remote" else LOCAL_PREFILL,
-        "local_prefill_queue_tokens": LOCAL_QUEUE if setup == "pd-queue" else 0,
+        **{key: 0 if setup == "pd-remote" else value for key, value in LOCAL_PREFILL.items()},
     }
     return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router)
 

@@ -224,8 +224,9 @@ class RouterSection(_Model):
         0,
         ge=0,
         le=1 << 24,
-        description="Conditional disaggregation by load: a request whose prompt would queue behind at least this "
-        "many prompt tokens on every ready prefill replica is prefilled by its decode replica (0: never).",
+        description="Conditional disaggregation by load: a request with at most this many prompt tokens to compute, "
+        "whose prompt would queue behind at least this many on every ready prefill replica, is prefilled by its "
+        "decode replica; longer prompts always take the prefill (0: never).",
     )
     api_keys: list[str] = Field(default_factory=list, description="Accepted Bearer keys (empty: open).")
     api_keys_file: str | None = Field(None, description="File with one API key per line.")

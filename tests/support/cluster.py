@@ -40,6 +40,7 @@ def write_config(path: Path, **overrides) -> Path:
     # The tests' prompts are short: every one takes the P/D path, the subject of most tests,
     # unless a test sets conditional disaggregation itself (tests/e2e/test_planner.py).
     config["router"]["local_prefill_max_tokens"] = 0
+    config["router"]["local_prefill_queue_tokens"] = 0
     for role in ("prefill", "decode", "aggregated"):
         config["roles"][role]["kv_cache_gib"] = 1
     _merge(config, overrides)

@@ -96,15 +96,18 @@ def test_short_prompts_skip_the_prefill_under_local_prefill_max_tokens():
 
 def test_prompts_go_to_decode_while_prefill_has_local_prefill_queue_tokens_in_flight():
     """Conditional disaggregation by load: while the one prefill replica still computes a
-    20-token prompt, the next prompt would queue behind 20 tokens (the threshold: 10), so decode
-    computes it itself (counted as local_queue); once prefill is free, prompts take P/D again."""
-    settings = RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, local_prefill_queue_tokens=10)
+    20-token prompt, the next 20-token prompt would queue behind 20 tokens (the threshold: 20),
+    so decode computes it itself (counted as local_queue); a 21-token prompt is longer than the
+    threshold and waits for the prefill (decode's streams do not stall for it); once prefill is
+    free, prompts take P/D again."""
+    settings = RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, local_prefill_queue_tokens=20)
     router = Router(settings)
-    computing, finish = asyncio.Event(), asyncio.Event()
+    arrivals: asyncio.Queue = asyncio.Queue()
+    finish = asyncio.Event()
     prefilled = prefill_answer()
 
     async def busy_prefill(call, out):
-        computing.set()
+        arrivals.put_nowait(len(call.body["prompt"]))
         await finish.wait()
         await prefilled(call, out)
 
@@ -116,29 +119,35 @@ def test_prompts_go_to_decode_while_prefill_has_local_prefill_queue_tokens_in_fl
 
     prefill, decode = StandIn(busy_prefill), StandIn(local_answer)
     body = {"model": "tiny", "prompt": list(range(20)), "max_tokens": 2}
+    other = dict(body, prompt=list(range(100, 120)))  # prompts sharing no prefix: all to compute
+    longer = dict(body, prompt=list(range(200, 221)))
 
     async def scenario():
         url = await running(router, prefill, decode)
         router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
         try:
             first = asyncio.create_task(post(url, "/v1/completions", body))
-            await computing.wait()
-            queued, _ = await post(url, "/v1/completions", body)
+            assert await asyncio.wait_for(arrivals.get(), 30) == 20  # prefill is computing the first prompt
+            queued, _ = await post(url, "/v1/completions", other)
+            waiting = asyncio.create_task(post(url, "/v1/completions", longer))
+            assert await asyncio.wait_for(arrivals.get(), 30) == 21  # the longer prompt waits at the busy prefill
             finish.set()
-            (first, _), (after, _) = await first, await post(url, "/v1/completions", body)
-            return first, queued, after
+            (first, _), (waited, _) = await first, await waiting
+            after, _ = await post(url, "/v1/completions", body)
+            return first, queued, waited, after
         finally:
             await router.stop()
             prefill.close()
             decode.close()
 
-    first, queued, after = asyncio.run(scenario())
+    first, queued, waited, after = asyncio.run(scenario())
     assert queued.json()["choices"][0]["text"] == "local" and "x-pdcluster-prefill" not in queued.headers
-    assert first.json()["choices"][0]["text"] == "decoded lease 1"
+    texts = {first.json()["choices"][0]["text"], waited.json()["choices"][0]["text"]}
+    assert texts == {"decoded lease 1", "decoded lease 2"} and waited.headers["x-pdcluster-prefill"] == "prefill-0"
     assert (
-        after.json()["choices"][0]["text"] == "decoded lease 2" and after.headers["x-pdcluster-prefill"] == "prefill-0"
+        after.json()["choices"][0]["text"] == "decoded lease 3" and after.headers["x-pdcluster-prefill"] == "prefill-0"
     )
-    assert router.route_decisions() == {"local_queue": 1, "pd": 2}
+    assert router.route_decisions() == {"local_queue": 1, "pd": 3}
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -228,15 +228,18 @@ class PhaseRunner:
         choices, or no prefill ready) or `local_prefill` (conditional disaggregation: the decode
         replica holds all but at most router.local_prefill_max_tokens of the prompt, or the
         prompt is that short, so it computes the rest itself: no prefill hop, no transfer), or
-        `local_queue` (the same because every ready prefill replica has at least
-        router.local_prefill_queue_tokens prompt tokens in flight: the prompt would queue there)."""
+        `local_queue` (the same for a prompt of at most router.local_prefill_queue_tokens tokens
+        to compute while every ready prefill replica has at least that many in flight: it would
+        queue there longer than decode takes to compute it, and no longer prompt stalls decode's
+        streams this way)."""
         if not self.settings.disaggregated or h.routed:
             return
         h.routed = True
         assert h.answering is not None
         limit, queue = self.settings.local_prefill_max_tokens, self.settings.local_prefill_queue_tokens
-        short = limit > 0 and h.tokens - h.cached.get(h.answering.replica_id, 0) <= limit
-        queued = not short and queue > 0 and self.pool.prefill_queue() >= queue
+        compute = h.tokens - h.cached.get(h.answering.replica_id, 0)
+        short = limit > 0 and compute <= limit
+        queued = not short and queue > 0 and compute <= queue and self.pool.prefill_queue() >= queue
         if not h.local and (short or queued):
             h.local, h.continuing = True, False
             self.metrics.routes.labels("local_prefill" if short else "local_queue").inc()
