@@ -295,6 +295,7 @@ PROFILE_METRICS = (
     "pdcluster_ttft_seconds",
     "pdcluster_kv_pull_seconds_total",
     "pdcluster_kv_pulls_total",
+    "pdcluster_route_decisions_total",
 )
 
 
@@ -312,12 +313,15 @@ def scrape(endpoint: str) -> dict[str, float]:
         if name == "pdcluster_itl_seconds_bucket" and labels.get("le") in STALL_BUCKETS:
             values[f"itl_within_{labels['le']}"] = value
         if name.startswith(PROFILE_METRICS) and ("_sum" in name or "_count" in name or "total" in name):
-            key = name + "".join(f"[{labels[k]}]" for k in ("replica", "outcome") if k in labels)
+            key = name + "".join(f"[{labels[k]}]" for k in ("replica", "outcome", "path") if k in labels)
             values[key] = values.get(key, 0.0) + value
     return values
 
 
-def profile(before: dict, after: dict) -> dict[str, float | None]:
+ROUTES = "pdcluster_route_decisions_total"
+
+
+def profile(before: dict, after: dict) -> dict:
     def delta(prefix: str) -> float:
         return sum(v for k, v in after.items() if k.startswith(prefix)) - sum(
             v for k, v in before.items() if k.startswith(prefix)
@@ -337,6 +341,10 @@ def profile(before: dict, after: dict) -> dict[str, float | None]:
         # client (decode engine or router), not in the client's own reading
         "router_itl_samples": gaps,
         **{f"router_itl_over_{float(le) * 1e3:.0f}ms": gaps - delta(f"itl_within_{le}") for le in STALL_BUCKETS},
+        # disaggregated requests by path (pd, local_prefill, local_queue, decode), as status counts them
+        "routes": {
+            key.removeprefix(ROUTES)[1:-1]: delta(key) for key in after if key.startswith(ROUTES + "[") and delta(key)
+        },
     }
 
 

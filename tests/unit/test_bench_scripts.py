@@ -75,3 +75,13 @@ def test_the_load_generator_gets_its_priority_across_sessions(tmp_path, monkeypa
     ours = ours.read_text().strip() if ours.exists() else ""
     if ours:  # this process is autogroup-scheduled: the generator's autogroup is another, at nice 5
         assert group.endswith("nice 5") and group.split()[0] != ours.split()[0]
+
+
+def test_the_router_profile_counts_routes_per_point():
+    """A point's routes are the router's decisions during it (counters' differences), by path."""
+    from bench.serve import profile
+
+    before = {"pdcluster_route_decisions_total[pd]": 5.0, "pdcluster_route_decisions_total[local_prefill]": 2.0}
+    after = dict(before, **{"pdcluster_route_decisions_total[pd]": 9.0})
+    after["pdcluster_route_decisions_total[local_queue]"] = 3.0
+    assert profile(before, after)["routes"] == {"pd": 4.0, "local_queue": 3.0}
