@@ -289,13 +289,14 @@ def warm_up(endpoint: str, workloads: dict, workdir: Path, tag: str) -> None:
         run_workload(endpoint, cold, workdir, f"{tag}-warmup-{name}")
 
 
+ROUTES = "pdcluster_route_decisions_total"
 PROFILE_METRICS = (
     "pdcluster_itl_seconds",
     "pdcluster_prefill_seconds",
     "pdcluster_ttft_seconds",
     "pdcluster_kv_pull_seconds_total",
     "pdcluster_kv_pulls_total",
-    "pdcluster_route_decisions_total",
+    ROUTES,
 )
 
 
@@ -316,9 +317,6 @@ def scrape(endpoint: str) -> dict[str, float]:
             key = name + "".join(f"[{labels[k]}]" for k in ("replica", "outcome", "path") if k in labels)
             values[key] = values.get(key, 0.0) + value
     return values
-
-
-ROUTES = "pdcluster_route_decisions_total"
 
 
 def profile(before: dict, after: dict) -> dict:
@@ -343,7 +341,7 @@ def profile(before: dict, after: dict) -> dict:
         **{f"router_itl_over_{float(le) * 1e3:.0f}ms": gaps - delta(f"itl_within_{le}") for le in STALL_BUCKETS},
         # disaggregated requests by path (pd, local_prefill, local_queue, decode), as status counts them
         "routes": {
-            key.removeprefix(ROUTES)[1:-1]: delta(key) for key in after if key.startswith(ROUTES + "[") and delta(key)
+            key.removeprefix(ROUTES)[1:-1]: n for key in after if key.startswith(ROUTES + "[") if (n := delta(key))
         },
     }
 
@@ -413,7 +411,9 @@ DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote")
 # conditional disaggregation included: for short prompts (runs 10-11 called that `pd-local`) and
 # by prefill's queue (run 15 called that `pd-queue`).
 LOCAL_PREFILL = {
-    key: shipped_config()["router"][key] for key in ("local_prefill_max_tokens", "local_prefill_queue_tokens")
+    key: value
+    for key, value in shipped_config()["router"].items()
+    if key in ("local_prefill_max_tokens", "local_prefill_queue_tokens")
 }
 
 

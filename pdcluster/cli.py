@@ -304,7 +304,6 @@ def _stop_foreground(session) -> bool:
 
 
 def _connect_quietly(session) -> None:
-
     if session.head_pid is not None:
         from pdcluster.orchestrator.session import process_group_alive
 
