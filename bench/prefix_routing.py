@@ -18,8 +18,15 @@ tokens), read before and after each workload. `cache_aware+local` also turns on 
 disaggregation (router.local_prefill_max_tokens): requests whose decode replica holds all but a
 few tokens of the prompt skip the prefill hop.
 
+The prefix workload can run at several request rates (--prefix-rates, ascending, on the same
+cluster): at a light load a hit saves prefill compute only, and the fixed costs per request
+(router, prefill hop, first token) bound the ratio; as the load grows, cache-blind routing
+recomputes shared prefixes and queues on the prefill core while cache-aware routing does not.
+Each row reports the request throughput achieved against the offered rate.
+
 Writes bench/results/<date>-prefix-routing.{md,json}.
-Usage: python bench/prefix_routing.py [--setups least_loaded cache_aware round_robin cache_aware+local] [--quick]
+Usage: python bench/prefix_routing.py [--setups least_loaded cache_aware round_robin cache_aware+local]
+       [--workloads prefix random random-prefix chat] [--prefix-rates 3 4 5] [--quick]
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN = 1536, 128, 16
 PREFIXES = 8  # 8 x 12 blocks = 96 blocks of prefixes
 PREFILL_BLOCKS = 72  # one prefill cache holds 6 prefixes' blocks, the two together all 8 and room to work
 DECODE_BLOCKS = 512
-RATE = 3.0  # requests/s (Poisson)
+RATE = 3.0  # requests/s (Poisson); the prefix workload's rates: --prefix-rates
 PROMPTS = 160
 CHATS, TURNS, SYSTEM_LEN, TURN_LEN = 8, 4, 1024, 64
 LOCAL_MAX = 2 * BLOCK
@@ -103,9 +110,9 @@ def routes(endpoint: str) -> dict[str, float]:
     }
 
 
-def serve_workload(endpoint: str, workdir: Path, tag: str, dataset: list[str], prompts: int) -> dict:
+def serve_workload(endpoint: str, workdir: Path, tag: str, dataset: list[str], prompts: int, rate: float) -> dict:
     out = workdir / f"{tag}.json"
-    proc = bench_serve(endpoint, out, prompts=prompts, rate=RATE, seed=7, dataset=dataset)
+    proc = bench_serve(endpoint, out, prompts=prompts, rate=rate, seed=7, dataset=dataset)
     if proc.wait(3600) != 0:
         raise RuntimeError(f"vllm bench serve failed ({tag}): {out.with_suffix('.log').read_text()[-3000:]}")
     return json.loads(out.read_text())
@@ -138,9 +145,17 @@ def chat_workload(endpoint: str) -> dict:
     return summarize(timings, time.perf_counter() - start)
 
 
-def run_setup(setup: str, workdir: Path, prompts: int) -> dict:
+WORKLOADS = ("prefix", "random", "random-prefix", "chat")
+
+
+def label(name: str, rate: float) -> str:
+    """A result's key: the workload, and its rate where it is not RATE."""
+    return name if rate == RATE else f"{name} {rate:g}/s"
+
+
+def run_setup(setup: str, workdir: Path, prompts: int, names: list[str], prefix_rates: list[float]) -> dict:
     cfg = config(setup)
-    result: dict = {}
+    results: dict = {}
     with cluster(cfg, workdir) as endpoint:
         wait_following(cfg, workdir, setup)
         workloads = {
@@ -176,21 +191,25 @@ def run_setup(setup: str, workdir: Path, prompts: int) -> dict:
                 str(OUTPUT_LEN),
             ],
         }
-        for name in ("prefix", "random", "random-prefix", "chat"):
+        runs = [(n, r) for n in names for r in (sorted(prefix_rates) if n == "prefix" else [RATE])]
+        for name, rate in runs:
             before, routes_before = prefix_counters(cfg, workdir), routes(endpoint)
             if name == "chat":
                 summary = chat_workload(endpoint)
             else:
-                summary = summarize_serve(
-                    serve_workload(endpoint, workdir, f"{setup}-{name}", workloads[name], prompts)
-                )
+                result = serve_workload(endpoint, workdir, f"{setup}-{name}-{rate:g}", workloads[name], prompts, rate)
+                summary = {
+                    **summarize_serve(result),
+                    "offered_rps": rate,
+                    "achieved_rps": result.get("request_throughput"),
+                }
             after, routes_after = prefix_counters(cfg, workdir), routes(endpoint)
             queried = after["queries"] - before["queries"]
             summary["prefill_prefix_hit_rate"] = (after["hits"] - before["hits"]) / queried if queried else None
             summary["routes"] = {k: routes_after[k] - routes_before.get(k, 0) for k in routes_after}
-            result[name] = summary
-            print(setup, name, json.dumps(summary), flush=True)
-    return result
+            results[label(name, rate)] = summary
+            print(setup, label(name, rate), json.dumps(summary), flush=True)
+    return results
 
 
 def wait_following(cfg: dict, workdir: Path, setup: str) -> None:
@@ -210,6 +229,10 @@ def wait_following(cfg: dict, workdir: Path, setup: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument(
+        "--prefix-rates", nargs="+", type=float, default=[RATE], help="the prefix workload's request rates (req/s)"
+    )
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (smoke run)")
     add_client_args(parser)  # the load generator's priority (bench/serve.py)
     args = parser.parse_args(argv)
@@ -218,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict = {}
     with tempfile.TemporaryDirectory(prefix="pdcluster-prefix-") as tmp:
         for setup in args.setups:
-            raw[setup] = run_setup(setup, Path(tmp), prompts)
+            raw[setup] = run_setup(setup, Path(tmp), prompts, args.workloads, args.prefix_rates)
     report(raw, prompts)
     return 0
 
@@ -239,30 +262,32 @@ def report(raw: dict, prompts: int) -> None:
         f"2 prefill replicas (core 0, {PREFILL_BLOCKS} blocks of {BLOCK} tokens each) + 1 decode (core 1, "
         f"{DECODE_BLOCKS} blocks); prefix workload: {PREFIXES} prefixes of {PREFIX_LEN} tokens "
         f"({PREFIXES * PREFIX_LEN // BLOCK} blocks: more than one prefill cache, less than two) + "
-        f"{SUFFIX_LEN}-token suffixes, {OUTPUT_LEN} output tokens, {prompts} requests at {RATE}/s; random: the same "
+        f"{SUFFIX_LEN}-token suffixes, {OUTPUT_LEN} output tokens, {prompts} requests at {RATE}/s unless the workload names its rate; random: the same "
         f"lengths, nothing shared; chat: {CHATS} conversations x {TURNS} turns ({SYSTEM_LEN}-token system prompt, "
         f"{TURN_LEN}-token questions). TTFT/ITL of prefix and random by `vllm bench serve`; hit rate: the prefill "
         "engines' own prefix-cache counters.",
         "",
-        "| setup | workload | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | failed | prefill prefix hit rate | routes | "
-        "TTFT p50 vs least_loaded |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setup | workload | req/s achieved | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | failed | "
+        "prefill prefix hit rate | routes | TTFT p50 vs least_loaded |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for setup, workloads in raw.items():
         for name, s in workloads.items():
             failed = s.get("failed") or 0
             hit = s.get("prefill_prefix_hit_rate")
+            achieved = s.get("achieved_rps")
             lines.append(
-                f"| {setup} | {name} | {fmt(s.get('ttft_p50_ms'))} | {fmt(s.get('ttft_p99_ms'))} | "
+                f"| {setup} | {name} | {'-' if achieved is None else f'{achieved:.2f}'} | {fmt(s.get('ttft_p50_ms'))} | {fmt(s.get('ttft_p99_ms'))} | "
                 f"{fmt(s.get('itl_p50_ms'))} | "
                 f"{failed} | {'-' if hit is None else f'{hit:.2f}'} | {s.get('routes')} | "
                 f"{ratio(raw, setup, name, 'ttft_p50_ms')} |"
             )
+    prefix = [w for w in raw.get("cache_aware", {}) if w.split()[0] == "prefix"]
     lines += [
         "",
         "Targets: prefix TTFT p50 cache_aware <= 0.3x least_loaded: "
-        f"**{ratio(raw, 'cache_aware', 'prefix', 'ttft_p50_ms')}x**; random TTFT p50 <= 1.05x: "
-        f"**{ratio(raw, 'cache_aware', 'random', 'ttft_p50_ms')}x**.",
+        + ", ".join(f"{w}: **{ratio(raw, 'cache_aware', w, 'ttft_p50_ms')}x**" for w in prefix)
+        + f"; random TTFT p50 <= 1.05x: **{ratio(raw, 'cache_aware', 'random', 'ttft_p50_ms')}x**.",
         "",
         f"Machine: {json.dumps(machine())}",
     ]
