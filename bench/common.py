@@ -161,7 +161,7 @@ def stream_completion(
                     new = count - seen
                     if last is None:
                         timing.ttft = now - start
-                        new -= 1
+                        timing.itls.extend([0.0] * (new - 1))  # tokens that came with the first
                     else:
                         timing.itls.extend([(now - last) / new] * new)
                     last, seen = now, count

@@ -85,3 +85,42 @@ def test_the_router_profile_counts_routes_per_point():
     after = dict(before, **{"pdcluster_route_decisions_total[pd]": 9.0})
     after["pdcluster_route_decisions_total[local_queue]"] = 3.0
     assert profile(before, after)["routes"] == {"pd": 4.0, "local_queue": 3.0}
+
+
+def test_tokens_that_come_with_the_first_count_as_gaps_of_zero():
+    """A first chunk carrying two tokens: the second token's gap is 0, and the next chunk's gap
+    is the next token's (it was read as the 1 -> 2 gap, and one token's gap went missing)."""
+    import http.server
+    import json
+    import threading
+
+    import httpx
+
+    from bench.common import stream_completion
+
+    chunks = [2, 3, 4]  # completion_tokens after each chunk
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for count in chunks:
+                event = {"choices": [{"text": "x"}], "usage": {"completion_tokens": count}}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.server_address[1]}", timeout=10) as client:
+            timing = stream_completion(client, "tiny", "hi", 4)
+    finally:
+        server.shutdown()
+    assert timing.ok and timing.tokens == 4
+    assert len(timing.itls) == 3 and timing.itls[0] == 0.0 and all(g > 0 for g in timing.itls[1:])
