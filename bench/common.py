@@ -27,6 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = ROOT / "models" / "pdcluster-tiny-code"
+TEXT_IDS = range(300, 4000)  # the tiny model has 4096 ids; the low ones are bytes and specials
 
 
 def free_port() -> int:
@@ -172,6 +173,12 @@ def stream_completion(
     timing.tokens = seen
     timing.ok = seen > 0
     return timing
+
+
+def rotated(items: list, turn: int) -> list:
+    """`items` starting at index turn % len(items): repeat k of a bench starts every setup in this order."""
+    turn %= len(items)
+    return items[turn:] + items[:turn]
 
 
 def percentile(values: list[float], q: float) -> float | None:

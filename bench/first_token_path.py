@@ -27,13 +27,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine, stream_completion, write_results  # noqa: E402
+from bench.common import TEXT_IDS, machine, rotated, stream_completion, write_results  # noqa: E402
 from bench.serve import start_setup  # noqa: E402
 
 SETUPS = ("pd", "pd-behind", "pd-classic")
 PROMPT_LEN, OUTPUT_LEN = 1536, 8  # the interference workload's long prompts (bench/serve.py)
 WARM_UP, REQUESTS = 5, 40
-VOCAB = (300, 4000)  # the tiny model's ids above its bytes and specials
 
 
 def measure(setup: str, seed: int) -> list[dict]:
@@ -42,7 +41,7 @@ def measure(setup: str, seed: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="pdcluster-ftp-") as tmp, start_setup(setup, Path(tmp)) as endpoint:
         with httpx.Client(base_url=endpoint, timeout=120) as client:
             for i in range(WARM_UP + REQUESTS):
-                prompt = [rng.randrange(*VOCAB) for _ in range(PROMPT_LEN)]
+                prompt = [rng.randrange(TEXT_IDS.start, TEXT_IDS.stop) for _ in range(PROMPT_LEN)]
                 timing = stream_completion(client, "tiny", prompt, OUTPUT_LEN)
                 if timing.error or timing.ttft is None or not timing.itls:
                     raise RuntimeError(f"{setup}: request {i} failed: {timing.error}")
@@ -69,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     raw: dict[str, list[dict]] = {s: [] for s in args.setups}
     for repeat in range(args.repeats):
-        order = args.setups[repeat % len(args.setups) :] + args.setups[: repeat % len(args.setups)]
-        for setup in order:
+        for setup in rotated(args.setups, repeat):
             raw[setup].append(summary(measure(setup, seed=repeat)))
             print(setup, repeat, raw[setup][-1], flush=True)
     report(raw)

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     MODEL,
+    TEXT_IDS,
     base_config,
     cluster,
     machine,
@@ -123,10 +124,9 @@ def chat_workload(endpoint: str) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
-    vocab = list(range(300, 4000))  # the tiny model has 4096 ids; the low ones are bytes and specials
 
     def text(n: int, seed: int) -> str:
-        return tokenizer.decode([vocab[(seed * 7919 + i * 104729) % len(vocab)] for i in range(n)])
+        return tokenizer.decode([TEXT_IDS[(seed * 7919 + i * 104729) % len(TEXT_IDS)] for i in range(n)])
 
     def conversation(c: int):
         timings = []

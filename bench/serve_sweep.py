@@ -46,6 +46,7 @@ from bench.common import (  # noqa: E402
     machine,
     misses,
     requests,
+    rotated,
     slo_key,
     write_results,
 )
@@ -165,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="pdcluster-sweep-"))  # kept: every setup's and client's logs
     print(f"logs: {logs}", flush=True)
     for repeat in range(args.repeats):
-        turn = repeat % len(args.setups)
-        for setup in args.setups[turn:] + args.setups[:turn]:
+        for setup in rotated(args.setups, repeat):
             workdir = logs / f"repeat{repeat}-{setup}"
             workdir.mkdir()
             try:
