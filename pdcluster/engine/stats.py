@@ -34,6 +34,8 @@ class EngineStats:
     kv_pulls_failed: int = 0
     kv_bytes_received: int = 0
     kv_pull_seconds: float = 0.0
+    kv_lease_wait_seconds: float = 0.0  # handoff stages before and after the pulls (kv_transfer/stats.py)
+    kv_load_report_seconds: float = 0.0
     kv_leases_released: int = 0
     kv_leases_expired: int = 0
     kv_backends: dict[str, str] = field(default_factory=dict)  # producer engine -> KV backend

@@ -20,6 +20,8 @@ COUNTERS = (
     "pulls_failed",
     "bytes_received",
     "pull_seconds",
+    "lease_wait_seconds",  # lease filed on the producer -> its pull started here
+    "load_report_seconds",  # the pull's bytes in -> vLLM told (the next get_finished)
     "leases_released",
     "leases_expired",
 )

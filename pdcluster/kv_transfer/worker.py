@@ -9,9 +9,9 @@ Consumer: pulls announced by the scheduler run on a small thread pool: the gRPC 
 with the producer's endpoint (once; it says where the producer runs and what it offers), the
 backend picked from that (transports/selection.py, its own handshake once per endpoint), the
 blocks moved into the local cache through the staging scatterer, then the producer's lease
-released. Completed pulls are reported as `finished_recving` after the
-compute stream was made to wait on their copy event; failed ones also as `failed_recving`, and
-vLLM recomputes or fails the request per `kv_load_failure_policy`. Every pull has a deadline.
+released in the background (vLLM need not wait for that answer). Completed pulls are reported as
+`finished_recving` after the compute stream was made to wait on their copy event; failed ones
+also as `failed_recving`, and vLLM recomputes or fails the request per `kv_load_failure_policy`. Every pull has a deadline.
 Pulls of requests admitted ahead of their prefill find their lease first (ahead.py).
 """
 
@@ -46,12 +46,7 @@ from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext, Pool
 from pdcluster.kv_transfer.stats import PDTransferStats, failure_cause
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
-from pdcluster.kv_transfer.transports.base import (
-    CacheSink,
-    Transport,
-    TransportClient,
-    TransportServer,
-)
+from pdcluster.kv_transfer.transports.base import CacheSink, Transport, TransportClient, TransportServer
 from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
 
 logger = logging.getLogger(__name__)
@@ -66,6 +61,10 @@ class PullResult:
     event: Any = None  # device event the compute stream must wait on (None on CPU)
     error: str = ""
     cause: str = ""  # failure_cause of a failed pull
+    # handoff stages (stats): lease filed on the producer -> pull started, and when the bytes
+    # were in (time.monotonic), to time how long vLLM waits to hear of it
+    lease_wait: float = 0.0
+    done_at: float = 0.0
 
 
 class ConnectorWorker:
@@ -256,6 +255,8 @@ class ConnectorWorker:
                 self.stats.add("pulls_ok")
                 self.stats.add("bytes_received", result.nbytes)
                 self.stats.add("pull_seconds", result.seconds)
+                self.stats.add("lease_wait_seconds", result.lease_wait)
+                self.stats.add("load_report_seconds", time.monotonic() - result.done_at)
             else:
                 self.stats.add("pulls_failed")
                 self.stats.add_failure(result.cause)
@@ -360,7 +361,7 @@ class ConnectorWorker:
     def _submit_release(self, spec: ReleaseSpec) -> None:
         assert self._executor is not None
         logger.debug("releasing %s without pulling: %s", spec.remote.remote_request_id, spec.reason)
-        self._executor.submit(self._release, spec.remote, False)
+        self._release_later(spec.remote, False)
 
     def _submit_renewals(self, leases: list[KVParams]) -> None:
         """Renew the leases of requests still queued here, one call per producer endpoint."""
@@ -388,6 +389,9 @@ class ConnectorWorker:
 
     def _pull(self, spec: PullSpec) -> PullResult:
         started = time.perf_counter()
+        # the lease's expiry was set when the producer filed it (same cluster, same lease_seconds;
+        # across hosts this includes their clock offset)
+        lease_wait = max(0.0, time.time() - (spec.remote.remote_lease_expiry - self.settings.lease_seconds))
         faults = self.faults
         event = None
         try:
@@ -444,7 +448,7 @@ class ConnectorWorker:
                 report_failure(reported, spec.remote.remote_engine_id, str(exc))
             # Never dial what the cluster did not vouch for, nor a lease that is gone anyway.
             if not isinstance(exc, (UntrustedParamsError, LeaseExpiredError)):
-                self._release(spec.remote, False)
+                self._release_later(spec.remote, False)
             return PullResult(
                 spec.request_id,
                 False,
@@ -458,8 +462,16 @@ class ConnectorWorker:
         if faults.should_drop_release():
             logger.warning("fault injection: not releasing %s", spec.remote.remote_request_id)
         else:
-            self._release(spec.remote, True)
-        return PullResult(spec.request_id, True, nbytes, seconds, event)
+            self._release_later(spec.remote, True)
+        return PullResult(
+            spec.request_id, True, nbytes, seconds, event, lease_wait=lease_wait, done_at=time.monotonic()
+        )
+
+    def _release_later(self, lease: KVParams, transferred: bool) -> None:
+        """Release after the load is reported: the bytes are in (or the pull failed), so vLLM need
+        not wait for the producer's answer; a release never sent is ended by the lease's expiry."""
+        assert self._executor is not None
+        self._executor.submit(self._release, lease, transferred)
 
     def _release(self, lease: KVParams, transferred: bool) -> None:
         """Tell the producer it may free the lease's blocks (every producer's gRPC control

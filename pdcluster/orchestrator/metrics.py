@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pdcluster.engine.actor import process_tree_rss
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
+# The handoff gap is read against stall budgets of tens of milliseconds (50 ms: bench/serve_report.py)
+HANDOFF_GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
 WINDOW_S = 60.0
 
 
@@ -93,6 +95,17 @@ class _EngineCollector:
             "Time spent in KV pulls (sum; divide by pulls for the mean)",
             labels=["replica"],
         )
+        lease_wait = CounterMetricFamily(
+            "pdcluster_kv_lease_wait_seconds",
+            "From a lease's filing on the prefill replica to its pull's start (sum; divide by pulls; "
+            "across hosts it includes their clock offset)",
+            labels=["replica"],
+        )
+        load_report = CounterMetricFamily(
+            "pdcluster_kv_load_report_seconds",
+            "From a pull's last byte to vLLM hearing of it at the engine's next step (sum; divide by pulls)",
+            labels=["replica"],
+        )
         leases = CounterMetricFamily(
             "pdcluster_kv_leases", "KV leases ended on prefill replicas", labels=["replica", "outcome"]
         )
@@ -134,6 +147,8 @@ class _EngineCollector:
                     pull_failures.add_metric([rid, cause], count)
                 kv_bytes.add_metric([rid], stats.get("kv_bytes_received", 0))
                 kv_seconds.add_metric([rid], stats.get("kv_pull_seconds", 0.0))
+                lease_wait.add_metric([rid], stats.get("kv_lease_wait_seconds", 0.0))
+                load_report.add_metric([rid], stats.get("kv_load_report_seconds", 0.0))
                 drafts.add_metric([rid], stats.get("spec_draft_tokens", 0))
                 accepted.add_metric([rid], stats.get("spec_accepted_tokens", 0))
                 if stats.get("spec_acceptance_rate") is not None:
@@ -152,6 +167,8 @@ class _EngineCollector:
             pull_failures,
             kv_bytes,
             kv_seconds,
+            lease_wait,
+            load_report,
             leases,
             drafts,
             accepted,
@@ -198,6 +215,13 @@ class RouterMetrics:
         self.e2e = Histogram("pdcluster_e2e_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram(
             "pdcluster_prefill_seconds", "Prefill phase incl. KV lease setup", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.handoff_gap = Histogram(
+            "pdcluster_handoff_gap_seconds",
+            "Streams continued after the prefill's first token: the gap between that token and the decode "
+            "replica's first one, as relayed to the client (the KV handoff and a decode step sit in it)",
+            buckets=HANDOFF_GAP_BUCKETS,
+            registry=r,
         )
         self.inflight = Gauge(
             "pdcluster_replica_inflight",

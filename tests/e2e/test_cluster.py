@@ -212,6 +212,9 @@ def test_models_health_and_metrics(cluster):
         "pdcluster_replica_inflight",
         "pdcluster_kv_handoff_bytes_total",
         "pdcluster_kv_pull_seconds_total",
+        "pdcluster_kv_lease_wait_seconds_total",
+        "pdcluster_kv_load_report_seconds_total",
+        "pdcluster_handoff_gap_seconds",
         "pdcluster_replica_waiting",
         "pdcluster_spec_draft_tokens_total",
         "pdcluster_spec_acceptance_rate",
@@ -259,6 +262,15 @@ def test_status_json_reflects_cluster(cluster):
     assert stats["spec_draft_tokens"] > 0 and 0 < stats["spec_acceptance_rate"] <= 1
     assert stats["spec_mean_accepted_length"] >= 1
     assert stats["kv_pulls_ok"] > 0 and stats["kv_bytes_received"] > 0
+    # the handoff's stages around the pulls, and the gap the streams continued after the
+    # prefill's first token saw between it and decode's first
+    assert stats["kv_lease_wait_seconds"] > 0 and stats["kv_load_report_seconds"] > 0
+    with httpx.Client(base_url=cluster.endpoint, timeout=30) as http:
+        metrics = http.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    [gaps] = [
+        line.split()[-1] for line in metrics.splitlines() if line.startswith("pdcluster_handoff_gap_seconds_count")
+    ]
+    assert float(gaps) > 0
     assert "secret" not in str(status).lower()
     table = cli(cluster.home, "status", "--name", cluster.name).stdout
     assert cluster.endpoint in table and "MTP acceptance" in table

@@ -78,6 +78,19 @@ def test_a_good_pull_lands(producer, consumer):
     assert outcome(consumer, spec) == "ok"
 
 
+def test_a_pull_times_the_handoff_stages_around_it(producer, consumer):
+    """A lease filed 2 s before its pull: the wait before the pull is counted from the filing
+    (the lease's expiry less lease_seconds), the report after it from the last byte."""
+    source, address = producer
+    source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+    spec = PullSpec("d-1", lease(address, expiry_in=SETTINGS.lease_seconds - 2), (4, 5), (0, 1))
+    assert outcome(consumer, spec) == "ok"
+    stats = consumer.take_stats().data
+    assert stats["pulls_ok"] == 1
+    assert 2 <= stats["lease_wait_seconds"] < 2 + 30  # the pull's own deadline bounds the rest
+    assert 0 < stats["load_report_seconds"] < 30
+
+
 def test_local_block_ids_outside_the_cache_are_a_failed_load(producer, consumer):
     source, address = producer
     source.leases.add("req-1", [4, 5], time.monotonic() + 600)

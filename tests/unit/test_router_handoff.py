@@ -77,6 +77,8 @@ def test_a_decode_never_reached_gets_its_lease_sent_to_another_without_a_second_
     assert lease_of(sent.body) == 1
     texts = [c["text"] for e in data(lines) for c in e["choices"]]
     assert texts == ([" first"] if first_token_from_prefill else []) + [" t0", " t1", " t2"]
+    # a handoff gap only where the client's first token came from the prefill
+    assert metric(router, "pdcluster_handoff_gap_seconds_count") == int(first_token_from_prefill)
     assert metric(router, 'pdcluster_retries_total{role="decode"}') == 1
     assert metric(router, 'pdcluster_retries_total{role="prefill"}') == 0
 
@@ -213,6 +215,8 @@ def test_a_continuation_reads_as_the_clients_chat_and_its_tokens_are_timed(serve
     assert sent.path == "/v1/completions" and sent.body["prompt"] == [11, 12, 13, 42] and sent.body["max_tokens"] == 3
     assert metric(router, "pdcluster_ttft_seconds_count") == 1
     assert metric(router, "pdcluster_itl_seconds_count") == 3  # four tokens, three gaps
+    # the first of them is the handoff: the prefill's token, then decode's first
+    assert metric(router, "pdcluster_handoff_gap_seconds_count") == 1
 
 
 def test_a_kv_failure_in_the_decode_stream_reaches_the_client_as_what_it_is(serve):

@@ -411,10 +411,11 @@ class PhaseRunner:
 
     async def _continue(self, h: Handoff, relay: Relay, body: dict[str, Any]) -> AsyncIterator[bytes]:
         assert h.first is not None and h.answering is not None and relay.pending is not None
-        clock = TokenClock(self.metrics, h.answering.replica_id, h.started)
+        prelude = continuation.prelude(h.first, h.kind, h.body)
+        first_tokens = sum(map(has_token, prelude))
+        clock = TokenClock(self.metrics, h.answering.replica_id, h.started, handoff=first_tokens > 0)
         try:
-            prelude = continuation.prelude(h.first, h.kind, h.body)
-            clock.tokens(sum(map(has_token, prelude)))
+            clock.tokens(first_tokens)
             yield "".join(f"data: {json.dumps(event)}\n\n" for event in prelude).encode()
             h.delivered = True
             progress = self._progress(h)

@@ -65,11 +65,13 @@ def mid_stream_error(replica_id: str, exc: BaseException) -> str:
 
 class TokenClock:
     """TTFT and inter-token gaps of one relayed stream, as the client sees them: tokens that
-    leave in one write reach the client together."""
+    leave in one write reach the client together. `handoff`: the stream starts with the
+    prefill's first token, so its first gap is also the handoff gap (metrics.handoff_gap)."""
 
-    def __init__(self, metrics: RouterMetrics, replica_id: str, started: float):
+    def __init__(self, metrics: RouterMetrics, replica_id: str, started: float, handoff: bool = False):
         self.metrics, self.window, self.started = metrics, metrics.window(replica_id), started
         self.last: float | None = None
+        self._handoff = handoff
 
     def tokens(self, count: int) -> None:
         """`count` tokens are about to be written to the client."""
@@ -85,6 +87,9 @@ class TokenClock:
             self.metrics.itl.observe(now - self.last)
             self.window.itl.add(now - self.last)
             cluster.itl.add(now - self.last)
+            if self._handoff:
+                self._handoff = False
+                self.metrics.handoff_gap.observe(now - self.last)
         for _ in range(count - 1):
             self.metrics.itl.observe(0.0)
             self.window.itl.add(0.0)
