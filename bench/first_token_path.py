@@ -28,30 +28,44 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import TEXT_IDS, machine, rotated, stream_completion, write_results  # noqa: E402
-from bench.serve import start_setup  # noqa: E402
+from bench.serve import profile, scrape, start_setup  # noqa: E402
 
 SETUPS = ("pd", "pd-behind", "pd-classic")
 PROMPT_LEN, OUTPUT_LEN = 1536, 8  # the interference workload's long prompts (bench/serve.py)
 WARM_UP, REQUESTS = 5, 40
 
 
-def measure(setup: str, seed: int) -> list[dict]:
+def measure(setup: str, seed: int) -> tuple[list[dict], dict]:
+    """The measured requests' timings, and the handoff's stages over them (bench/serve.profile)."""
     rng = random.Random(seed)
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdcluster-ftp-") as tmp, start_setup(setup, Path(tmp)) as endpoint:
         with httpx.Client(base_url=endpoint, timeout=120) as client:
             for i in range(WARM_UP + REQUESTS):
+                if i == WARM_UP:
+                    before = scrape(endpoint)
                 prompt = [rng.randrange(TEXT_IDS.start, TEXT_IDS.stop) for _ in range(PROMPT_LEN)]
                 timing = stream_completion(client, "tiny", prompt, OUTPUT_LEN)
                 if timing.error or timing.ttft is None or not timing.itls:
                     raise RuntimeError(f"{setup}: request {i} failed: {timing.error}")
                 if i >= WARM_UP:
                     rows.append({"ttft_ms": timing.ttft * 1e3, "gaps_ms": [g * 1e3 for g in timing.itls]})
-    return rows
+            stages = profile(before, scrape(endpoint))
+    return rows, stages
 
 
-def summary(rows: list[dict]) -> dict:
+STAGES = {  # the handoff, in order (bench/serve.profile): mean ms per request
+    "kv_lease_wait_mean_ms": "lease filed → pull starts",
+    "kv_pull_mean_ms": "pull",
+    "kv_load_report_mean_ms": "bytes in → vLLM told",
+    "handoff_gap_mean_ms": "router: prefill's token → decode's first",
+}
+
+
+def summary(measured: tuple[list[dict], dict]) -> dict:
+    rows, stages = measured
     return {
+        **{key: stages.get(key) for key in STAGES},
         "requests": len(rows),
         "ttft_p50_ms": statistics.median(r["ttft_ms"] for r in rows),
         "gap_1_2_p50_ms": statistics.median(r["gaps_ms"][0] for r in rows),
@@ -104,6 +118,23 @@ def report(raw: dict) -> None:
             else "-"
         )
         lines.append(f"| {setup} | {' | '.join(cells)} | {max(r['gap_1_2_max_ms'] for r in repeats):.1f} | {versus} |")
+    lines += [
+        "",
+        "Where the handoff's time goes, from the cluster's own metrics (/metrics; mean ms per request, "
+        "median over the repeats): the lease filed on the prefill replica → its pull starts on decode "
+        "(lookup) → the pull → vLLM hears of the bytes; the router's handoff gap is the prefill's token "
+        "→ decode's first one as relayed (it holds those stages, minus what overlaps the prefill "
+        "answer's way to the router, plus a decode step).",
+        "",
+        f"| setup | {' | '.join(STAGES.values())} |",
+        f"|---|{'---:|' * len(STAGES)}",
+    ]
+    for setup, repeats in raw.items():
+        cells = []
+        for key in STAGES:
+            values = [r[key] for r in repeats if r.get(key) is not None]
+            cells.append(f"{statistics.median(values):.1f}" if values else "-")
+        lines.append(f"| {setup} | {' | '.join(cells)} |")
     lines += ["", f"Machine: {machine()}"]
     print(write_results("first-token-path", {"raw": raw, "machine": machine()}, "\n".join(lines) + "\n"))
 

@@ -296,8 +296,12 @@ PROFILE_METRICS = (
     "pdcluster_ttft_seconds",
     "pdcluster_kv_pull_seconds_total",
     "pdcluster_kv_pulls_total",
+    "pdcluster_kv_lease_wait_seconds_total",
+    "pdcluster_kv_load_report_seconds_total",
+    "pdcluster_handoff_gap_seconds",
     ROUTES,
 )
+HANDOFF_BUDGET = "0.05"  # a bucket bound of metrics.HANDOFF_GAP_BUCKETS: the S = 50 ms stall budget
 
 
 STALL_BUCKETS = ("0.08", "0.16")  # router ITL samples above these bucket bounds: stalls the router saw
@@ -313,6 +317,8 @@ def scrape(endpoint: str) -> dict[str, float]:
     for name, labels, value in metric_samples(text):
         if name == "pdcluster_itl_seconds_bucket" and labels.get("le") in STALL_BUCKETS:
             values[f"itl_within_{labels['le']}"] = value
+        if name == "pdcluster_handoff_gap_seconds_bucket" and labels.get("le") == HANDOFF_BUDGET:
+            values["handoff_gap_within_budget"] = value
         if name.startswith(PROFILE_METRICS) and ("_sum" in name or "_count" in name or "total" in name):
             key = name + "".join(f"[{labels[k]}]" for k in ("replica", "outcome", "path") if k in labels)
             values[key] = values.get(key, 0.0) + value
@@ -331,10 +337,22 @@ def profile(before: dict, after: dict) -> dict:
 
     pulls = delta("pdcluster_kv_pulls_total")
     gaps = delta("pdcluster_itl_seconds_count")
+    handoffs = delta("pdcluster_handoff_gap_seconds_count")
+
+    def per_pull(name: str) -> float | None:
+        return delta(name) / pulls * 1e3 if pulls else None
+
     return {
         "router_ttft_mean_ms": mean("pdcluster_ttft_seconds"),
         "prefill_phase_mean_ms": mean("pdcluster_prefill_seconds"),
-        "kv_pull_mean_ms": delta("pdcluster_kv_pull_seconds_total") / pulls * 1e3 if pulls else None,
+        # the handoff, stage by stage: lease filed -> pull started -> bytes in -> vLLM told
+        "kv_lease_wait_mean_ms": per_pull("pdcluster_kv_lease_wait_seconds_total"),
+        "kv_pull_mean_ms": per_pull("pdcluster_kv_pull_seconds_total"),
+        "kv_load_report_mean_ms": per_pull("pdcluster_kv_load_report_seconds_total"),
+        # prefill's first token -> decode's first one, as the router relayed them
+        "handoff_gap_mean_ms": mean("pdcluster_handoff_gap_seconds"),
+        "handoff_gaps": handoffs,
+        f"handoff_gaps_over_{float(HANDOFF_BUDGET) * 1e3:.0f}ms": handoffs - delta("handoff_gap_within_budget"),
         # gaps between the tokens the router relayed, over 80 and 160 ms: stalls upstream of the
         # client (decode engine or router), not in the client's own reading
         "router_itl_samples": gaps,

@@ -180,15 +180,31 @@ def report(raw: dict, notes: dict, workloads: dict, args, engine_args: dict, max
             if name in per and any(per[name]["profile"].values())
         }
         if profiles:
-            lines += ["Where TTFT goes (pdcluster router metrics, means over the run):", ""]
             lines += [
-                "| setup | router TTFT | prefill phase (router -> P -> router) | KV pull (on D) |",
-                "|---|---:|---:|---:|",
+                "Where TTFT and the handoff go (pdcluster metrics, means over the run, ms; the handoff gap "
+                "is the prefill's first token -> decode's first, as the router relayed them):",
+                "",
+            ]
+            lines += [
+                "| setup | router TTFT | prefill phase (router -> P -> router) | lease filed -> pull (on D) "
+                "| KV pull (on D) | bytes in -> vLLM told | handoff gap | handoff gaps > 50 ms |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for setup, p in profiles.items():
-                lines.append(
-                    f"| {setup} | {fmt(p['router_ttft_mean_ms'])} | {fmt(p['prefill_phase_mean_ms'])} | {fmt(p['kv_pull_mean_ms'])} |"
-                )
+                over = p.get("handoff_gaps_over_50ms")
+                cells = [
+                    fmt(p.get(key))
+                    for key in (
+                        "router_ttft_mean_ms",
+                        "prefill_phase_mean_ms",
+                        "kv_lease_wait_mean_ms",
+                        "kv_pull_mean_ms",
+                        "kv_load_report_mean_ms",
+                        "handoff_gap_mean_ms",
+                    )
+                ]
+                gaps = f"{over:.0f} of {p['handoff_gaps']:.0f}" if p.get("handoff_gaps") else "-"
+                lines.append(f"| {setup} | {' | '.join(cells)} | {gaps} |")
             lines.append("")
     lines += [
         "## Where the CPU went",

@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     attainment,
     machine,
     misses,
+    percentile,
     requests,
     rotated,
     slo_key,
@@ -65,7 +66,7 @@ from bench.serve import (  # noqa: E402
     start_setup,
     warm_up,
 )
-from bench.serve_report import summarize  # noqa: E402
+from bench.serve_report import fmt, summarize  # noqa: E402
 
 SCALES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
 ATTAINED = 0.9  # "meets the SLO" at a rate: this share of requests within the first SLO pair
@@ -105,7 +106,42 @@ def point(results: dict, workload: dict, cpu: dict) -> dict:
         "client_cpu_share": cpu["cpu_s"].get(CLIENT, 0.0) / total_cpu,
         # the decode-side client's own full GC pauses and stalls (bench/serve_client.py)
         "client_watch": decode_side.get("client_watch"),
+        # the workload's other streams (interference: the long prompts, which take the P/D path
+        # under the default cluster; the decode-side ones go to decode alone): the first-token
+        # path's own requests
+        "others": {
+            stream: {"attainment": attainment(detailed), "requests": requests(detailed)}
+            for stream, detailed in results.items()
+            if stream != workload["itl_stream"]
+        },
     }
+
+
+def other_streams(runs: list[dict]) -> dict[str, dict]:
+    """Per other stream of a point's repeats: median attainment, and over every request of every
+    repeat: TTFT p50, token 1 -> 2 gap p50 / p99, when token 2 arrived p50 / p99 (ms); with the
+    router's handoff gaps over 50 ms (every stream of the point; only these take the P/D path)."""
+    out = {}
+    for stream in runs[0].get("others", {}):
+        done = [r for run in runs for r in run["others"][stream]["requests"] if r["ttft_ms"] is not None]
+        ttfts = [r["ttft_ms"] for r in done]
+        gaps = [r["gap_1_2_ms"] for r in done if r["gap_1_2_ms"] is not None]
+        second = [r["ttft_ms"] + r["gap_1_2_ms"] for r in done if r["gap_1_2_ms"] is not None]
+        keys = runs[0]["others"][stream]["attainment"]
+        out[stream] = {
+            "requests": sum(len(run["others"][stream]["requests"]) for run in runs),
+            "attainment": {k: statistics.median(run["others"][stream]["attainment"][k] for run in runs) for k in keys},
+            "ttft_p50_ms": percentile(ttfts, 0.5),
+            "gap_1_2_p50_ms": percentile(gaps, 0.5),
+            "gap_1_2_p99_ms": percentile(gaps, 0.99),
+            "token_2_p50_ms": percentile(second, 0.5),
+            "token_2_p99_ms": percentile(second, 0.99),
+            "router_handoff_gaps": sum((run.get("router") or {}).get("handoff_gaps") or 0 for run in runs),
+            "router_handoff_gaps_over_50ms": sum(
+                (run.get("router") or {}).get("handoff_gaps_over_50ms") or 0 for run in runs
+            ),
+        }
+    return out
 
 
 def highest_attained(points: list[dict]) -> float | None:
@@ -143,6 +179,7 @@ def median_points(points: list[dict]) -> list[dict]:
                 "failed": sum(r["failed"] for r in runs),
                 "client_cpu_share": statistics.median(r["client_cpu_share"] for r in runs),
                 "misses": {k: sum(r["misses"][k] for r in runs) for k in runs[0]["misses"]},
+                "others": other_streams(runs),
             }
         )
     return out
@@ -253,6 +290,7 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
             ratio = f" ({rate / base:.2f}× aggregated)" if rate and base else ""
             lines.append(f"- {setup}: {'none of the rates tried' if rate is None else f'{rate:g} req/s'}{ratio}")
         lines.append("")
+        lines += others_table(medians, name, keys)
         png = RESULTS / f"{date}-serve-sweep-{name}.png"
         if any(per.get(name) for per in medians.values()):
             plot({setup: per.get(name, []) for setup, per in medians.items()}, name, keys[0], png)
@@ -263,6 +301,38 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
     path = write_results("serve-sweep", {"raw": raw, "notes": notes, "args": vars(args), "machine": machine()},
                          "\n".join(lines) + "\n")  # fmt: skip
     print(path)
+
+
+def others_table(medians: dict, name: str, keys: list[str]) -> list[str]:
+    """The workload's other streams per setup and point (other_streams)."""
+    rows = [
+        (setup, p, stream, o)
+        for setup, per in medians.items()
+        for p in per.get(name, [])
+        for stream, o in p.get("others", {}).items()
+    ]
+    if not rows:
+        return []
+    lines = [
+        "The workload's other streams (interference: the long prompts, the ones that take the P/D path "
+        "under the default cluster). Attainment as above (median over the repeats); the rest over every "
+        "request of every repeat, ms; router: its handoff gaps (prefill's token → decode's first) over "
+        "50 ms, of all it relayed at that point:",
+        "",
+        "| setup | scale | stream | requests | "
+        + " | ".join(f"T {t} / S {s}" for t, s in SLOS)
+        + " | TTFT p50 | gap 1→2 p50 / p99 | token 2 at p50 / p99 | router: handoff gaps > 50 ms |",
+        "|---|---:|---|---:|" + "---:|" * len(SLOS) + "---:|---:|---:|---:|",
+    ]
+    for setup, p, stream, o in rows:
+        cells = " | ".join(f"{o['attainment'][k]:.2f}" for k in keys)
+        router = f"{o['router_handoff_gaps_over_50ms']:.0f} of {o['router_handoff_gaps']:.0f}"
+        lines.append(
+            f"| {setup} | {p['scale']:g} | {stream} | {o['requests']} | {cells} | {fmt(o['ttft_p50_ms'])} | "
+            f"{fmt(o['gap_1_2_p50_ms'])} / {fmt(o['gap_1_2_p99_ms'])} | "
+            f"{fmt(o['token_2_p50_ms'])} / {fmt(o['token_2_p99_ms'])} | {router} |"
+        )
+    return [*lines, ""]
 
 
 def plot(series: dict[str, list[dict]], workload: str, key: str, path: Path) -> None:

@@ -87,6 +87,33 @@ def test_the_router_profile_counts_routes_per_point():
     assert profile(before, after)["routes"] == {"pd": 4.0, "local_queue": 3.0}
 
 
+def test_the_sweep_reads_the_first_token_paths_own_stream():
+    """The workload's other stream (interference: the long prompts, on the P/D path) is read per
+    request: when token 2 came is TTFT plus the 1 -> 2 gap, over every repeat; the router's handoff
+    gaps over the budget are summed."""
+    from bench.serve import profile
+    from bench.serve_sweep import median_points, point
+
+    workload = {"itl_stream": "decode", "streams": {"decode": {"rate": 1.0}, "long": {"rate": 1.0}}}
+    cpu = {"cpu_s": {"x": 1.0}}
+    runs = []
+    for first, gap, n in ((0.2, 0.01, 2), (0.3, 0.06, 1)):
+        results = {
+            "decode": {"ttfts": [0.1], "itls": [[0.01]], "errors": [""]},
+            "long": {"ttfts": [first] * n, "itls": [[gap, 0.005]] * n, "errors": [""] * n},
+        }
+        run = {"scale": 1.0, **point(results, workload, cpu)}
+        gaps = {"pdcluster_handoff_gap_seconds_count": 2.0, "handoff_gap_within_budget": 2.0 if gap < 0.05 else 1.0}
+        run["router"] = profile({}, gaps)
+        runs.append(run)
+    (merged,) = median_points(runs)
+    long = merged["others"]["long"]
+    assert long["requests"] == 3 and long["attainment"]["ttft<=1000ms,gap<=50ms"] == 0.5  # median of 1.0 and 0.0
+    assert long["token_2_p50_ms"] == 210.0 and long["token_2_p99_ms"] == 360.0
+    assert long["gap_1_2_p50_ms"] == 10.0 and long["ttft_p50_ms"] == 200.0
+    assert long["router_handoff_gaps"] == 4 and long["router_handoff_gaps_over_50ms"] == 1
+
+
 def test_tokens_that_come_with_the_first_count_as_gaps_of_zero():
     """A first chunk carrying two tokens: the second token's gap is 0, and the next chunk's gap
     is the next token's (it was read as the 1 -> 2 gap, and one token's gap went missing)."""
