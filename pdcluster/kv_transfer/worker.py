@@ -11,7 +11,8 @@ backend picked from that (transports/selection.py, its own handshake once per en
 blocks moved into the local cache through the staging scatterer, then the producer's lease
 released in the background (vLLM need not wait for that answer). Completed pulls are reported as
 `finished_recving` after the compute stream was made to wait on their copy event; failed ones
-also as `failed_recving`, and vLLM recomputes or fails the request per `kv_load_failure_policy`. Every pull has a deadline.
+also as `failed_recving`, and vLLM recomputes or fails the request per `kv_load_failure_policy`.
+Every pull has a deadline.
 Pulls of requests admitted ahead of their prefill find their lease first (ahead.py).
 """
 
@@ -61,10 +62,8 @@ class PullResult:
     event: Any = None  # device event the compute stream must wait on (None on CPU)
     error: str = ""
     cause: str = ""  # failure_cause of a failed pull
-    # handoff stages (stats): lease filed on the producer -> pull started, and when the bytes
-    # were in (time.monotonic), to time how long vLLM waits to hear of it
-    lease_wait: float = 0.0
-    done_at: float = 0.0
+    lease_wait: float = 0.0  # handoff stage (stats): lease filed on the producer -> pull started
+    done_at: float = 0.0  # time.monotonic() when the bytes were in: vLLM hears of it later
 
 
 class ConnectorWorker:
@@ -84,14 +83,10 @@ class ConnectorWorker:
         self.settings = settings
         self._params_key = derive_key(settings.secret_value(), KV_PARAMS)
         self.faults = FaultInjector(settings.fault_injection)
-        self.engine_id = engine_id
-        self.model = model
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.tp_size = tp_size
-        self.tp_rank = tp_rank
-        self.is_producer = is_producer
-        self.is_consumer = is_consumer
+        self.engine_id, self.model = engine_id, model
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.is_producer, self.is_consumer = is_producer, is_consumer
         self._transports: dict[str, Transport] = {}
         self.offers: list[str] = []
         self.cache: PagedKVCache | None = None
@@ -359,7 +354,6 @@ class ConnectorWorker:
             self._pending[request_id] = future
 
     def _submit_release(self, spec: ReleaseSpec) -> None:
-        assert self._executor is not None
         logger.debug("releasing %s without pulling: %s", spec.remote.remote_request_id, spec.reason)
         self._release_later(spec.remote, False)
 
@@ -389,8 +383,7 @@ class ConnectorWorker:
 
     def _pull(self, spec: PullSpec) -> PullResult:
         started = time.perf_counter()
-        # the lease's expiry was set when the producer filed it (same cluster, same lease_seconds;
-        # across hosts this includes their clock offset)
+        # expiry = filing + lease_seconds (the cluster's); across hosts this adds their clock offset
         lease_wait = max(0.0, time.time() - (spec.remote.remote_lease_expiry - self.settings.lease_seconds))
         faults = self.faults
         event = None
@@ -468,10 +461,13 @@ class ConnectorWorker:
         )
 
     def _release_later(self, lease: KVParams, transferred: bool) -> None:
-        """Release after the load is reported: the bytes are in (or the pull failed), so vLLM need
-        not wait for the producer's answer; a release never sent is ended by the lease's expiry."""
+        """Release on the pool: the load's report to vLLM does not wait for the producer's answer.
+        A release never sent (the worker is shutting down) is ended by the lease's expiry."""
         assert self._executor is not None
-        self._executor.submit(self._release, lease, transferred)
+        try:
+            self._executor.submit(self._release, lease, transferred)
+        except RuntimeError:  # the pool was shut down
+            logger.debug("not releasing %s: shutting down", lease.remote_request_id)
 
     def _release(self, lease: KVParams, transferred: bool) -> None:
         """Tell the producer it may free the lease's blocks (every producer's gRPC control

@@ -141,3 +141,11 @@ def test_renewals_reach_the_producer_for_signed_leases_only(producer, consumer):
         assert time.monotonic() < deadline, "the renewal never arrived"
         time.sleep(0.01)  # poll interval
     assert source.leases._leases["req-2"].deadline < time.monotonic() + 100  # forged: not renewed
+
+
+def test_a_release_after_shutdown_is_left_to_the_lease_expiry(producer, consumer):
+    """Releases go to the pull pool; a pull that ends while the worker shuts down must not raise
+    from there (its lease expires on the producer instead)."""
+    _, address = producer
+    consumer.shutdown()
+    consumer._release_later(lease(address), True)  # the pool refuses new work: logged, not raised
