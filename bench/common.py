@@ -218,6 +218,12 @@ SLOS = ((200, 100), (1000, 50), (1000, 100))
 GOODPUT = {"ttft": 200, "tpot": 50}
 
 
+HANDOFF_BUDGET = "0.05"  # a bucket bound of metrics.HANDOFF_GAP_BUCKETS: the S = 50 ms stall budget
+HANDOFF_OVER = (
+    f"handoff_gaps_over_{float(HANDOFF_BUDGET) * 1e3:.0f}ms"  # bench/serve.profile's key for the gaps over it
+)
+
+
 def slo_key(pair: tuple[int, int]) -> str:
     """How attainment() names an SLO pair (T, S) in its result."""
     return f"ttft<={pair[0]}ms,gap<={pair[1]}ms"

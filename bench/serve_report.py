@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import GOODPUT, RESULTS, SLOS, attainment, machine, slo_key, write_results
+from bench.common import GOODPUT, HANDOFF_OVER, RESULTS, SLOS, attainment, machine, slo_key, write_results
 
 
 def summarize(result: dict) -> dict:
@@ -191,7 +191,7 @@ def report(raw: dict, notes: dict, workloads: dict, args, engine_args: dict, max
                 "|---|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for setup, p in profiles.items():
-                over = p.get("handoff_gaps_over_50ms")
+                over = p.get(HANDOFF_OVER)
                 cells = [
                     fmt(p.get(key))
                     for key in (

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     GOODPUT,
+    HANDOFF_OVER,
     RESULTS,
     SLOS,
     attainment,
@@ -137,9 +138,7 @@ def other_streams(runs: list[dict]) -> dict[str, dict]:
             "token_2_p50_ms": percentile(second, 0.5),
             "token_2_p99_ms": percentile(second, 0.99),
             "router_handoff_gaps": sum((run.get("router") or {}).get("handoff_gaps") or 0 for run in runs),
-            "router_handoff_gaps_over_50ms": sum(
-                (run.get("router") or {}).get("handoff_gaps_over_50ms") or 0 for run in runs
-            ),
+            "router_handoff_gaps_over_50ms": sum((run.get("router") or {}).get(HANDOFF_OVER) or 0 for run in runs),
         }
     return out
 

@@ -38,7 +38,6 @@ from pdcluster.kv_transfer.metadata import (
     PDHandshakeMetadata,
     PDWorkerMetadata,
     PullSpec,
-    ReleaseSpec,
 )
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.kv_transfer.producer import KVProducer
@@ -209,7 +208,8 @@ class ConnectorWorker:
             for request_id in meta.abandoned:
                 self._ahead.abandon(request_id)
             for release in meta.releases:
-                self._submit_release(release)
+                logger.debug("releasing %s unpulled: %s", release.remote.remote_request_id, release.reason)
+                self._release_later(release.remote, False)
             if meta.renewals:
                 self._submit_renewals(meta.renewals)
 
@@ -352,10 +352,6 @@ class ConnectorWorker:
         future.set_result(PullResult(request_id, False, error=error, cause=cause))
         with self._pending_lock:
             self._pending[request_id] = future
-
-    def _submit_release(self, spec: ReleaseSpec) -> None:
-        logger.debug("releasing %s without pulling: %s", spec.remote.remote_request_id, spec.reason)
-        self._release_later(spec.remote, False)
 
     def _submit_renewals(self, leases: list[KVParams]) -> None:
         """Renew the leases of requests still queued here, one call per producer endpoint."""
