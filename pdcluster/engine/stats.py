@@ -36,6 +36,7 @@ class EngineStats:
     kv_pull_seconds: float = 0.0
     kv_lease_wait_seconds: float = 0.0  # handoff stages before and after the pulls (kv_transfer/stats.py)
     kv_load_report_seconds: float = 0.0
+    kv_pulls_one_sided: int = 0  # of kv_pulls_ok: read without a call to the producer (shm)
     kv_leases_released: int = 0
     kv_leases_expired: int = 0
     kv_backends: dict[str, str] = field(default_factory=dict)  # producer engine -> KV backend

@@ -123,6 +123,12 @@ class KVTransferSettings(_Section):
     connect_timeout_seconds: float = Field(5, gt=0, le=DAY, description="Deadline of connecting to a KV server.")
     max_chunk_bytes: int = Field(4 << 20, ge=4096, le=MAX_CHUNK_LIMIT, description="Largest KV message.")
     pull_threads: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
+    one_sided_reads: bool = Field(
+        True,
+        description="shm between host caches: once a producer's addresses are known, decode reads a "
+        "live lease's blocks itself, without a call to the producer (its lease expiry bounds the "
+        "read). Off: every pull asks the producer first.",
+    )
     server_threads: int = Field(8, ge=1, le=256, description="Threads of each prefill's KV server.")
     tls: TLSSettings | None = Field(None, description="Mutual TLS on the KV channels (off: plaintext).")
     fault_injection: FaultInjection = Field(default_factory=FaultInjection, description="Tests/drills.")

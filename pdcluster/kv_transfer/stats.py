@@ -22,6 +22,7 @@ COUNTERS = (
     "pull_seconds",
     "lease_wait_seconds",  # lease filed on the producer -> its pull started here
     "load_report_seconds",  # the pull's bytes in -> vLLM told (the next get_finished)
+    "pulls_one_sided",  # pulls_ok read without a call to the producer (shm: ShmClient._read_leased)
     "leases_released",
     "leases_expired",
 )

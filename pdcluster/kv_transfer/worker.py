@@ -12,8 +12,7 @@ blocks moved into the local cache through the staging scatterer, then the produc
 released in the background (vLLM need not wait for that answer). Completed pulls are reported as
 `finished_recving` after the compute stream was made to wait on their copy event; failed ones
 also as `failed_recving`, and vLLM recomputes or fails the request per `kv_load_failure_policy`.
-Every pull has a deadline.
-Pulls of requests admitted ahead of their prefill find their lease first (ahead.py).
+Every pull has a deadline. Requests admitted ahead of their prefill find their lease first (ahead.py).
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ class PullResult:
     cause: str = ""  # failure_cause of a failed pull
     lease_wait: float = 0.0  # handoff stage (stats): lease filed on the producer -> pull started
     done_at: float = 0.0  # time.monotonic() when the bytes were in: vLLM hears of it later
+    one_sided: bool = False  # read without a call to the producer (CacheSink.one_sided)
 
 
 class ConnectorWorker:
@@ -252,6 +252,7 @@ class ConnectorWorker:
                 self.stats.add("pull_seconds", result.seconds)
                 self.stats.add("lease_wait_seconds", result.lease_wait)
                 self.stats.add("load_report_seconds", time.monotonic() - result.done_at)
+                self.stats.add("pulls_one_sided", int(result.one_sided))
             else:
                 self.stats.add("pulls_failed")
                 self.stats.add_failure(result.cause)
@@ -416,6 +417,7 @@ class ConnectorWorker:
                         sink,
                         engine_id=self.engine_id,
                         timeout_s=self.settings.pull_timeout_seconds,
+                        lease_expiry=spec.remote.remote_lease_expiry,  # as signed, not as renewed
                     )
                 finally:
                     event = scatterer.finish()
@@ -452,9 +454,9 @@ class ConnectorWorker:
             logger.warning("fault injection: not releasing %s", spec.remote.remote_request_id)
         else:
             self._release_later(spec.remote, True)
-        return PullResult(
-            spec.request_id, True, nbytes, seconds, event, lease_wait=lease_wait, done_at=time.monotonic()
-        )
+        result = PullResult(spec.request_id, True, nbytes, seconds, event, lease_wait=lease_wait)
+        result.done_at, result.one_sided = time.monotonic(), sink.one_sided
+        return result
 
     def _release_later(self, lease: KVParams, transferred: bool) -> None:
         """Release on the pool: the load's report to vLLM does not wait for the producer's answer.

@@ -106,6 +106,11 @@ class _EngineCollector:
             "From a pull's last byte to vLLM hearing of it at the engine's next step (sum; divide by pulls)",
             labels=["replica"],
         )
+        one_sided = CounterMetricFamily(
+            "pdcluster_kv_pulls_one_sided",
+            "Successful KV pulls read without a call to the prefill replica (shm one-sided reads)",
+            labels=["replica"],
+        )
         leases = CounterMetricFamily(
             "pdcluster_kv_leases", "KV leases ended on prefill replicas", labels=["replica", "outcome"]
         )
@@ -149,6 +154,7 @@ class _EngineCollector:
                 kv_seconds.add_metric([rid], stats.get("kv_pull_seconds", 0.0))
                 lease_wait.add_metric([rid], stats.get("kv_lease_wait_seconds", 0.0))
                 load_report.add_metric([rid], stats.get("kv_load_report_seconds", 0.0))
+                one_sided.add_metric([rid], stats.get("kv_pulls_one_sided", 0))
                 drafts.add_metric([rid], stats.get("spec_draft_tokens", 0))
                 accepted.add_metric([rid], stats.get("spec_accepted_tokens", 0))
                 if stats.get("spec_acceptance_rate") is not None:
@@ -169,6 +175,7 @@ class _EngineCollector:
             kv_seconds,
             lease_wait,
             load_report,
+            one_sided,
             leases,
             drafts,
             accepted,

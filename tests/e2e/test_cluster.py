@@ -214,6 +214,7 @@ def test_models_health_and_metrics(cluster):
         "pdcluster_kv_pull_seconds_total",
         "pdcluster_kv_lease_wait_seconds_total",
         "pdcluster_kv_load_report_seconds_total",
+        "pdcluster_kv_pulls_one_sided_total",
         "pdcluster_handoff_gap_seconds",
         "pdcluster_replica_waiting",
         "pdcluster_spec_draft_tokens_total",
@@ -265,6 +266,9 @@ def test_status_json_reflects_cluster(cluster):
     # the handoff's stages around the pulls, and the gap the streams continued after the
     # prefill's first token saw between it and decode's first
     assert stats["kv_lease_wait_seconds"] > 0 and stats["kv_load_report_seconds"] > 0
+    # one node (auto: shm): once the first pull taught decode the prefill's addresses, it reads
+    # live leases itself
+    assert 0 < stats["kv_pulls_one_sided"] < stats["kv_pulls_ok"]
     with httpx.Client(base_url=cluster.endpoint, timeout=30) as http:
         metrics = http.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     [gaps] = [

@@ -57,6 +57,8 @@ def test_recompute_policy_survives_dropped_unreachable_and_timed_out_pulls(tmp_p
             "failure_policy": "recompute",
             "lease_seconds": 6,
             "pull_timeout_seconds": 1.5,
+            # every pull asks the producer, so that its injected stalls are on the pulls' path
+            "one_sided_reads": False,
             "fault_injection": {
                 "pull_failure_rate": 0.25,
                 "unreachable_rate": 0.25,

@@ -350,6 +350,23 @@ def test_fast_backend_concurrent_batch_matches_aggregated(engines, decode):
     assert after["kv_pulls_failed"] == before["kv_pulls_failed"]
 
 
+def test_shm_decode_reads_live_leases_without_asking_the_prefill(engines):
+    """Once a pull taught it the prefill's addresses, the shm decode reads each live lease's
+    blocks itself (one-sided: kv_pulls_one_sided counts them), token for token what the
+    aggregated engine says."""
+    decode = engines["decode-shm"]
+    pulled = info(decode)["stats"]["kv_pulls_ok"]
+    handoff(engines["prefill"], decode, token_prompt(BLOCK + 7, offset=71), 2)
+    before = wait_for(lambda: (s := info(decode)["stats"])["kv_pulls_ok"] > pulled and s, 30, "a first pull")
+    for i in range(3):
+        prompt = token_prompt(60 + 90 * i, offset=5000 + 31 * i)
+        assert_same(greedy(complete(engines["agg"], prompt, 6)), handoff(engines["prefill"], decode, prompt, 6)[0])
+    after = wait_for(
+        lambda: (s := info(decode)["stats"])["kv_pulls_ok"] >= before["kv_pulls_ok"] + 3 and s, 30, "decode pulls"
+    )
+    assert after["kv_pulls_one_sided"] - before["kv_pulls_one_sided"] == 3
+
+
 @pytest.mark.parametrize("decode", list(FAST))
 def test_each_decode_reports_the_backend_it_uses_with_the_prefill(engines, decode):
     handoff(engines["prefill"], engines[decode], token_prompt(BLOCK + 3, offset=9), 2)

@@ -27,6 +27,7 @@ from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
+from pdcluster.kv_transfer.transports.shm import ONE_SIDED_MARGIN_S
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.support.engines import REPO
 from tests.unit.kv_fixtures import make_cache
@@ -78,6 +79,105 @@ def test_direct_pulls_after_the_first_read_early_and_survive_a_stale_peer(produc
         client.close()
     assert early[0] is None and early[1] is not None and early[2] is not None
     assert client._peer.layer_addresses != early[2].note.layer_addresses  # the stale copy was redone
+
+
+def test_a_live_lease_is_read_without_asking_the_producer(producer_process):
+    """Once a direct pull told the consumer the producer's addresses, a pull given its lease's
+    expiry (well ahead) reads every layer itself: it makes no call to the producer, and the
+    bytes arrive exactly. A lease within ONE_SIDED_MARGIN_S of its end, an unknown expiry, a
+    process other than the one of the last notice, or one_sided_reads off go through the
+    producer."""
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    clients = [create_transport("shm", settings(one_sided_reads=on)).connect(address) for on in (True, False)]
+    asked = [0, 0]  # ShmPull calls per client: the producer asked to hold the lease
+
+    def counted(index, call):
+        def ask(*args, **kwargs):
+            asked[index] += 1
+            return call(*args, **kwargs)
+
+        return ask
+
+    for index, client in enumerate(clients):
+        client._shm_pull = counted(index, client._shm_pull)
+    try:
+        for client in clients:
+            client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        ahead, near = time.time() + 600, time.time() + ONE_SIDED_MARGIN_S / 2
+        steps = [  # (client, request, lease expiry, a stale notice's pid, served by the producer)
+            (0, "req-a", ahead, 0, True),  # the first pull learns the producer's addresses
+            (0, "req-b", ahead, 0, False),
+            (0, "req-c", near, 0, True),
+            (0, "req-a", 0.0, 0, True),
+            (0, "req-b", ahead, os.getpid(), True),  # a notice naming another process
+            (0, "req-c", ahead, 0, False),  # ...replaced by the producer's next notice
+            (1, "req-a", ahead, 0, True),
+            (1, "req-b", ahead, 0, True),
+        ]
+        for index, request_id, expiry, stale_pid, by_producer in steps:
+            client = clients[index]
+            if stale_pid:
+                client._peer = pb.ShmChunk(
+                    pid=stale_pid, layer_addresses=client._peer.layer_addresses, push_from_layer=1
+                )
+            dst_ids = [50 - i for i in range(len(REQUESTS[request_id]))]
+            consumer.tensors[0].zero_()
+            before, reads = asked[index], client.one_sided_reads
+            scatterer.begin(dst_ids)
+            nbytes = client.pull(
+                request_id,
+                REQUESTS[request_id],
+                CacheSink(scatterer),
+                engine_id="decode-0",
+                timeout_s=20,
+                lease_expiry=expiry,
+            )
+            assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
+            assert_copied(consumer, request_id, dst_ids)
+            assert (asked[index] - before, client.one_sided_reads - reads) == ((1, 0) if by_producer else (0, 1)), (
+                index,
+                request_id,
+            )
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_no_one_sided_read_from_a_producer_that_exited():
+    """The producer's process exited (its pidfd tells): a pull of a lease still far from its
+    expiry is not read out of whatever now has its pid; it fails through the producer."""
+    consumer = make_cache(fill="zeros")
+    scatterer = BlockScatterer(consumer, CHUNK)
+    with running_producer() as (address, _):
+        client = create_transport("shm", settings(connect_timeout_seconds=2)).connect(address)
+        client.handshake(consumer.layout, "decode-0")
+        for request_id, dst_ids in (("req-a", [5, 6, 7, 8, 9]), ("req-b", list(range(40, 60)))):
+            scatterer.begin(dst_ids)
+            client.pull(
+                request_id,
+                REQUESTS[request_id],
+                CacheSink(scatterer),
+                engine_id="decode-0",
+                timeout_s=20,
+                lease_expiry=time.time() + 600,
+            )
+        assert client.one_sided_reads == 1
+    try:
+        scatterer.begin([1, 2])
+        with pytest.raises(KVTransferError):
+            client.pull(
+                "req-c",
+                REQUESTS["req-c"],
+                CacheSink(scatterer),
+                engine_id="decode-0",
+                timeout_s=5,
+                lease_expiry=time.time() + 600,
+            )
+        assert client.one_sided_reads == 1
+    finally:
+        client.close()
 
 
 def test_shm_segments_are_private_to_this_user(producer_process):

@@ -37,11 +37,13 @@ class CacheSink:
     Every backend calls it with each chunk's bytes. A backend that can fill the cache itself
     (shm's direct read) asks `host_rows()` for the destination and calls `landed` per chunk
     instead. `after_chunk` runs after each chunk landed (fault injection hooks in here).
+    `one_sided`: the backend filled it without a call to the producer.
     """
 
     def __init__(self, scatterer: Any, after_chunk: Callable[[Chunk], None] | None = None):
         self.scatterer = scatterer
         self._after = after_chunk
+        self.one_sided = False
 
     def __call__(self, chunk: Chunk, data: memoryview | torch.Tensor) -> None:
         self.scatterer.write(chunk, data)
@@ -91,8 +93,11 @@ class TransportClient(ABC):
         *,
         engine_id: str,
         timeout_s: float,
+        lease_expiry: float = 0.0,
     ) -> int:
-        """Stream the producer's blocks into `sink`; return bytes received."""
+        """Stream the producer's blocks into `sink`; return bytes received. `lease_expiry`: the
+        unix time until which the producer holds the blocks (0: unknown), for backends that may
+        read them without asking the producer (shm)."""
 
     @abstractmethod
     def release(self, request_id: str, *, transferred: bool, engine_id: str, timeout_s: float) -> bool:

@@ -351,6 +351,7 @@ class GrpcClient(TransportClient):
         *,
         engine_id: str,
         timeout_s: float,
+        lease_expiry: float = 0.0,
     ) -> int:
         request = self.pull_request(request_id, block_ids, engine_id)
         return self.control.call(lambda: self._pull_once(request, block_ids, sink, timeout_s))

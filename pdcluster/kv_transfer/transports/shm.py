@@ -21,10 +21,13 @@ addresses and then writes the upper half of the layers into the consumer's regis
 while the consumer reads the lower half from the producer's: one copy per byte, on two cores. From the
 second pull on, the consumer knows the producer's addresses and copies its half while the request
 is still on its way (`_read_early`), and it returns once every byte is in, leaving the call to end
-in the background. Where the OS refuses (EPERM), the client falls back to the ring for good. A
-direct pull that fails before the producer said its writes are done is reported only once the
-producer's call has ended (`_fence`): vLLM would otherwise hand the blocks to another request
-while the producer still writes into them.
+in the background. With the lease's expiry at hand (`pull(lease_expiry=...)`, from its signed
+params) and far enough off, it asks the producer nothing at all: it reads every layer itself
+(`_read_leased`, a one-sided read as over RDMA), so a busy prefill core is not on the pull's path;
+the release that follows tells the producer. Where the OS refuses (EPERM), the client falls back
+to the ring for good. A direct pull that fails before the producer said its writes are done is
+reported only once the producer's call has ended (`_fence`): vLLM would otherwise hand the blocks
+to another request while the producer still writes into them.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -60,6 +65,11 @@ from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+# A one-sided read needs the lease to hold this long past the read (checked before and after it,
+# on this host's clock, the one the producer's expiry was set by): slack for the clock being
+# stepped back meanwhile. A lease nearer its end is read through the producer, which holds it.
+ONE_SIDED_MARGIN_S = 5.0
+
 
 class ShmClient(GrpcClient):
     def __init__(self, endpoint: str, settings: KVTransferSettings):
@@ -81,6 +91,11 @@ class ShmClient(GrpcClient):
         # read its half while the request is still on its way (see _read_early).
         self._peer: pb.ShmChunk | None = None
         self._settling: set = set()  # direct pulls' calls still ending (set ops are atomic)
+        # (pid, pidfd) of the process the last notice named: a pidfd turns readable once that
+        # very process exited, so a recycled pid is never mistaken for the producer.
+        self._peer_process: tuple[int, int] | None = None
+        self._peer_lock = threading.Lock()  # a pidfd is closed only while no one polls it
+        self.one_sided_reads = 0  # pulls read without a call to the producer (_read_leased)
         # Our registration for direct pushes (peers.py), on the current session only.
         self._registration = ""
         self._proof: socket.socket | None = None  # the peer connection it was proven on
@@ -92,6 +107,81 @@ class ShmClient(GrpcClient):
         self._forget_registration()
         self._peer = None
         self._unmap()
+        self._forget_peer_process()
+
+    def _watch_peer_process(self, pid: int) -> None:
+        with self._peer_lock:
+            if self._peer_process is not None and self._peer_process[0] == pid:
+                return
+        self._forget_peer_process()
+        try:
+            watched = (pid, os.pidfd_open(pid))
+        except OSError as exc:  # exited already, or no pidfds here: no one-sided reads
+            logger.info("cannot watch KV producer pid %d (%s): pulls ask it first", pid, exc)
+            return
+        with self._peer_lock:
+            old, self._peer_process = self._peer_process, watched
+        if old is not None:
+            os.close(old[1])
+
+    def _forget_peer_process(self) -> None:
+        with self._peer_lock:
+            watched, self._peer_process = self._peer_process, None
+            if watched is not None:
+                os.close(watched[1])
+
+    def _peer_alive(self, pid: int) -> bool:
+        with self._peer_lock:
+            watched = self._peer_process
+            if watched is None or watched[0] != pid:
+                return False
+            ready, _, _ = select.select([watched[1]], [], [], 0)
+            return not ready
+
+    def pull(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        sink: ChunkSink,
+        *,
+        engine_id: str,
+        timeout_s: float,
+        lease_expiry: float = 0.0,
+    ) -> int:
+        if self._read_leased(block_ids, sink, lease_expiry):
+            assert self._remote_layout is not None
+            return len(block_ids) * self._remote_layout.bytes_per_block()
+        return super().pull(request_id, block_ids, sink, engine_id=engine_id, timeout_s=timeout_s)
+
+    def _read_leased(self, block_ids: Sequence[int], sink: ChunkSink, lease_expiry: float) -> bool:
+        """Read every layer of a live lease out of the producer's cache without asking it; False
+        (nothing landed) when the pull must go through the producer instead.
+
+        Safe for the reason _read_early is, with the lease's expiry in place of the producer's
+        notice: a producer frees leased blocks only after the consumer's release or the
+        lease's expiry, so blocks read while the expiry is still ahead (checked after the copy,
+        by ONE_SIDED_MARGIN_S) held the prefill's KV; and the process read is the one that sent
+        the last notice, alive after the copy (its pidfd), so its pid was not recycled meanwhile.
+        A producer restart (a new session) forgets the notice."""
+        peer = self._peer
+        if not (self.settings.one_sided_reads and self.direct and peer is not None and lease_expiry > 0):
+            return False
+        rows = sink.host_rows() if isinstance(sink, CacheSink) else None
+        if rows is None or time.time() > lease_expiry - ONE_SIDED_MARGIN_S or not self._peer_alive(peer.pid):
+            return False
+        assert isinstance(sink, CacheSink) and self._remote_layout is not None
+        reader = DirectRead(peer, self._remote_layout, block_ids, sink, rows)
+        try:
+            reader.copy(0, len(rows))
+        except (DirectRefused, KVTransferError) as exc:
+            logger.info("one-sided read from %s failed (%s); asking the producer", self.endpoint, exc)
+            return False
+        if time.time() > lease_expiry - ONE_SIDED_MARGIN_S or not self._peer_alive(peer.pid):
+            return False  # read again, through the producer
+        reader.landed(0, len(rows))
+        self.one_sided_reads += 1
+        sink.one_sided = True
+        return True
 
     def _unmap(self) -> None:
         with self._segments_lock:
@@ -222,6 +312,7 @@ class ShmClient(GrpcClient):
                             layer_addresses=note.layer_addresses,
                             push_from_layer=note.push_from_layer,
                         )
+                        self._watch_peer_process(note.pid)
                         if early is not None and early.note == self._peer:
                             direct = early  # our half is in; the notice says it was leased
                             direct.landed(0, note.push_from_layer)
@@ -328,6 +419,7 @@ class ShmClient(GrpcClient):
     def close(self) -> None:
         self._unmap()
         self._forget_registration()
+        self._forget_peer_process()
         super().close()
 
 
