@@ -77,6 +77,7 @@ def pdcluster_setup(
     first_token_from_prefill: bool = True,
     policy: str | None = None,
     router: dict | None = None,
+    kv_transfer: dict | None = None,
 ) -> Iterator[str]:
     roles = {
         "prefill": {
@@ -109,6 +110,7 @@ def pdcluster_setup(
             **({"policy": policy} if policy else {}),
             **(router or {}),
         },
+        **({"kv_transfer": kv_transfer} if kv_transfer else {}),
     )
     with cluster(config, workdir) as endpoint:
         yield endpoint
@@ -425,7 +427,8 @@ SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # conditional disaggregation off (router.local_prefill_max_tokens and local_prefill_queue_tokens 0:
 # every prompt, however short and however long prefill's queue, takes the prefill hop; runs 1-11's
 # `pd`, whose short prompts queued behind long ones on prefill).
-DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote")
+# pd-asked: pd with kv_transfer.one_sided_reads off (every pull asks the producer first).
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-asked")
 # `pd` and `pd-classic` run the default cluster's router settings (configs/local-cpu.yaml),
 # conditional disaggregation included: for short prompts (runs 10-11 called that `pd-local`) and
 # by prefill's queue (run 15 called that `pd-queue`).
@@ -447,7 +450,8 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
         "decode_ahead": setup != "pd-behind",
         **{key: 0 if setup == "pd-remote" else value for key, value in LOCAL_PREFILL.items()},
     }
-    return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router)
+    kv = {"one_sided_reads": False} if setup == "pd-asked" else None
+    return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router, kv)
 
 
 def main(argv: list[str] | None = None) -> int:
