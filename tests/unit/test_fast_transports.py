@@ -150,31 +150,24 @@ def test_no_one_sided_read_from_a_producer_that_exited():
     expiry is not read out of whatever now has its pid; it fails through the producer."""
     consumer = make_cache(fill="zeros")
     scatterer = BlockScatterer(consumer, CHUNK)
+
+    def pull(request_id: str, dst_ids: list[int]) -> int:
+        scatterer.begin(dst_ids)
+        sink = CacheSink(scatterer)
+        ahead = time.time() + 600
+        return client.pull(
+            request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=5, lease_expiry=ahead
+        )
+
     with running_producer() as (address, _):
         client = create_transport("shm", settings(connect_timeout_seconds=2)).connect(address)
         client.handshake(consumer.layout, "decode-0")
-        for request_id, dst_ids in (("req-a", [5, 6, 7, 8, 9]), ("req-b", list(range(40, 60)))):
-            scatterer.begin(dst_ids)
-            client.pull(
-                request_id,
-                REQUESTS[request_id],
-                CacheSink(scatterer),
-                engine_id="decode-0",
-                timeout_s=20,
-                lease_expiry=time.time() + 600,
-            )
+        pull("req-a", [5, 6, 7, 8, 9])
+        pull("req-b", list(range(40, 60)))
         assert client.one_sided_reads == 1
     try:
-        scatterer.begin([1, 2])
         with pytest.raises(KVTransferError):
-            client.pull(
-                "req-c",
-                REQUESTS["req-c"],
-                CacheSink(scatterer),
-                engine_id="decode-0",
-                timeout_s=5,
-                lease_expiry=time.time() + 600,
-            )
+            pull("req-c", [1, 2])
         assert client.one_sided_reads == 1
     finally:
         client.close()
