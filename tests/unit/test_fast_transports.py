@@ -124,19 +124,19 @@ def test_a_live_lease_is_read_without_asking_the_producer(producer_process):
                 )
             dst_ids = [50 - i for i in range(len(REQUESTS[request_id]))]
             consumer.tensors[0].zero_()
-            before, reads = asked[index], client.one_sided_reads
+            before, sink = asked[index], CacheSink(scatterer)
             scatterer.begin(dst_ids)
             nbytes = client.pull(
                 request_id,
                 REQUESTS[request_id],
-                CacheSink(scatterer),
+                sink,
                 engine_id="decode-0",
                 timeout_s=20,
                 lease_expiry=expiry,
             )
             assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
             assert_copied(consumer, request_id, dst_ids)
-            assert (asked[index] - before, client.one_sided_reads - reads) == ((1, 0) if by_producer else (0, 1)), (
+            assert (asked[index] - before, sink.one_sided) == ((1, False) if by_producer else (0, True)), (
                 index,
                 request_id,
             )
@@ -151,9 +151,12 @@ def test_no_one_sided_read_from_a_producer_that_exited():
     consumer = make_cache(fill="zeros")
     scatterer = BlockScatterer(consumer, CHUNK)
 
+    sinks: list[CacheSink] = []
+
     def pull(request_id: str, dst_ids: list[int]) -> int:
         scatterer.begin(dst_ids)
         sink = CacheSink(scatterer)
+        sinks.append(sink)
         ahead = time.time() + 600
         return client.pull(
             request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=5, lease_expiry=ahead
@@ -164,11 +167,11 @@ def test_no_one_sided_read_from_a_producer_that_exited():
         client.handshake(consumer.layout, "decode-0")
         pull("req-a", [5, 6, 7, 8, 9])
         pull("req-b", list(range(40, 60)))
-        assert client.one_sided_reads == 1
+        assert [sink.one_sided for sink in sinks] == [False, True]
     try:
         with pytest.raises(KVTransferError):
             pull("req-c", [1, 2])
-        assert client.one_sided_reads == 1
+        assert not sinks[-1].one_sided
     finally:
         client.close()
 

@@ -95,7 +95,6 @@ class ShmClient(GrpcClient):
         # very process exited, so a recycled pid is never mistaken for the producer.
         self._peer_process: tuple[int, int] | None = None
         self._peer_lock = threading.Lock()  # a pidfd is closed only while no one polls it
-        self.one_sided_reads = 0  # pulls read without a call to the producer (_read_leased)
         # Our registration for direct pushes (peers.py), on the current session only.
         self._registration = ""
         self._proof: socket.socket | None = None  # the peer connection it was proven on
@@ -107,26 +106,23 @@ class ShmClient(GrpcClient):
         self._forget_registration()
         self._peer = None
         self._unmap()
-        self._forget_peer_process()
+        self._replace_peer_process()
 
     def _watch_peer_process(self, pid: int) -> None:
         with self._peer_lock:
             if self._peer_process is not None and self._peer_process[0] == pid:
                 return
-        self._forget_peer_process()
         try:
             watched = (pid, os.pidfd_open(pid))
         except OSError as exc:  # exited already, or no pidfds here: no one-sided reads
             logger.info("cannot watch KV producer pid %d (%s): pulls ask it first", pid, exc)
-            return
-        with self._peer_lock:
-            old, self._peer_process = self._peer_process, watched
-        if old is not None:
-            os.close(old[1])
+            watched = None
+        self._replace_peer_process(watched)
 
-    def _forget_peer_process(self) -> None:
+    def _replace_peer_process(self, successor: tuple[int, int] | None = None) -> None:
+        """Close the watched pidfd; watch `successor` (pid, pidfd) instead, if given."""
         with self._peer_lock:
-            watched, self._peer_process = self._peer_process, None
+            watched, self._peer_process = self._peer_process, successor
             if watched is not None:
                 os.close(watched[1])
 
@@ -166,8 +162,12 @@ class ShmClient(GrpcClient):
         peer = self._peer
         if not (self.settings.one_sided_reads and self.direct and peer is not None and lease_expiry > 0):
             return False
+
+        def lease_and_peer_live() -> bool:
+            return time.time() <= lease_expiry - ONE_SIDED_MARGIN_S and self._peer_alive(peer.pid)
+
         rows = sink.host_rows() if isinstance(sink, CacheSink) else None
-        if rows is None or time.time() > lease_expiry - ONE_SIDED_MARGIN_S or not self._peer_alive(peer.pid):
+        if rows is None or not lease_and_peer_live():
             return False
         assert isinstance(sink, CacheSink) and self._remote_layout is not None
         reader = DirectRead(peer, self._remote_layout, block_ids, sink, rows)
@@ -176,10 +176,9 @@ class ShmClient(GrpcClient):
         except (DirectRefused, KVTransferError) as exc:
             logger.info("one-sided read from %s failed (%s); asking the producer", self.endpoint, exc)
             return False
-        if time.time() > lease_expiry - ONE_SIDED_MARGIN_S or not self._peer_alive(peer.pid):
+        if not lease_and_peer_live():
             return False  # read again, through the producer
         reader.landed(0, len(rows))
-        self.one_sided_reads += 1
         sink.one_sided = True
         return True
 
@@ -419,7 +418,7 @@ class ShmClient(GrpcClient):
     def close(self) -> None:
         self._unmap()
         self._forget_registration()
-        self._forget_peer_process()
+        self._replace_peer_process()
         super().close()
 
 
