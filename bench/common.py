@@ -248,12 +248,16 @@ def attainment(detailed: dict) -> dict[str, float]:
 
 def requests(detailed: dict) -> list[dict]:
     """Per request of `vllm bench serve --save-detailed` output: TTFT, the token 1 -> 2 gap, the
-    largest gap and where it fell (index 0: between tokens 1 and 2), ms; and its error."""
+    largest gap and where it fell (index 0: between tokens 1 and 2), ms; its error; and when it
+    started and its largest gap ended, s on the clock every client shares (the tool's request
+    start is time.perf_counter: CLOCK_MONOTONIC), for bench/stalls.py."""
     ttfts, itls = detailed.get("ttfts") or [], detailed.get("itls") or []
     errors = detailed.get("errors") or [""] * len(ttfts)
+    starts = detailed.get("start_times") or [None] * len(ttfts)
     out = []
-    for ttft, gaps, error in zip(ttfts, itls, errors):
+    for ttft, gaps, error, start in zip(ttfts, itls, errors, starts):
         worst = max(range(len(gaps)), key=gaps.__getitem__, default=None)
+        timed = start is not None and ttft and worst is not None
         out.append(
             {
                 "ttft_ms": ms(ttft) if ttft else None,
@@ -261,6 +265,8 @@ def requests(detailed: dict) -> list[dict]:
                 "max_gap_ms": ms(gaps[worst]) if worst is not None else None,
                 "max_gap_at": worst,
                 "error": error or "",
+                "start_s": None if start is None else round(start, 4),
+                "max_gap_end_s": round(start + ttft + sum(gaps[: worst + 1]), 4) if timed else None,
             }
         )
     return out

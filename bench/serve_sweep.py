@@ -68,8 +68,11 @@ from bench.serve import (  # noqa: E402
     warm_up,
 )
 from bench.serve_report import fmt, summarize  # noqa: E402
+from bench.stalls import summary as stall_summary  # noqa: E402
+from bench.stalls import table as stall_table  # noqa: E402
 
 SCALES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
+STALL_PAIR = SLOS[1]  # (T 1000, S 50): the pair whose misses are stalls alone (bench/stalls.py)
 ATTAINED = 0.9  # "meets the SLO" at a rate: this share of requests within the first SLO pair
 CLIENT = "vllm bench serve (client)"
 
@@ -179,6 +182,7 @@ def median_points(points: list[dict]) -> list[dict]:
                 "client_cpu_share": statistics.median(r["client_cpu_share"] for r in runs),
                 "misses": {k: sum(r["misses"][k] for r in runs) for k in runs[0]["misses"]},
                 "others": other_streams(runs),
+                "stalls": stall_summary(runs, slo_key(STALL_PAIR), STALL_PAIR[1]),
             }
         )
     return out
@@ -290,6 +294,8 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
             lines.append(f"- {setup}: {'none of the rates tried' if rate is None else f'{rate:g} req/s'}{ratio}")
         lines.append("")
         lines += others_table(medians, name, keys)
+        rows = [(setup, p["scale"], p["stalls"]) for setup, per in medians.items() for p in per.get(name, [])]
+        lines += stall_table(rows, STALL_PAIR)
         png = RESULTS / f"{date}-serve-sweep-{name}.png"
         if any(per.get(name) for per in medians.values()):
             plot({setup: per.get(name, []) for setup, per in medians.items()}, name, keys[0], png)

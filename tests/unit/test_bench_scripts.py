@@ -28,7 +28,10 @@ def test_the_sweep_says_why_each_request_missed():
         "errors": ["", "", "", "", "", "connection reset"],
     }
     per_request = requests(detailed)
-    assert per_request[2] == {"ttft_ms": 100.0, "gap_1_2_ms": 300.0, "max_gap_ms": 300.0, "max_gap_at": 0, "error": ""}
+    assert per_request[2] == {
+        "ttft_ms": 100.0, "gap_1_2_ms": 300.0, "max_gap_ms": 300.0, "max_gap_at": 0, "error": "",
+        "start_s": None, "max_gap_end_s": None,
+    }  # fmt: skip
     assert per_request[3]["max_gap_at"] == 1
     assert misses(per_request, (200, 100)) == {"failed": 1, "ttft": 1, "gap": 2, "gap_at_1_2": 1, "both": 1}
 
@@ -52,6 +55,37 @@ def test_sweep_points_hold_enough_requests_at_the_same_rates():
     assert point["attainment"] == {"a": 0.5} and point["spread"] == {"a": (0.2, 0.9)}
     assert point["goodput_rps"] == 1.5 and point["failed"] == 1 and point["misses"] == {"ttft": 3}
     assert point["requests"] == 9 and point["repeats"] == 3
+
+
+def test_stalls_that_hold_several_streams_at_once_are_one_event():
+    """Late gaps that overlap in time are one engine stall; each event is set against what the
+    cluster was doing then (a long request's handoff or prefill, a local prefill), and the
+    attainment is pooled over every request of every repeat."""
+    from bench.common import requests
+    from bench.stalls import summary
+
+    # decode-side: A stalls over 10.10-10.25 s and B over 10.20-10.30 (one event); C alone over
+    # 20.02-20.10; D never stalls. Clocks: request starts (perf_counter), gaps in seconds.
+    decode_side = requests({
+        "start_times": [10.0, 10.1, 20.0, 30.0],
+        "ttfts": [0.05, 0.05, 0.02, 0.05],
+        "itls": [[0.05, 0.15, 0.1], [0.05, 0.1, 0.01], [0.08, 0.01], [0.01]],
+        "errors": [""] * 4,
+    })  # fmt: skip
+    # long: prefill 9.9 -> 10.35 (token 1), handoff 10.35 -> 10.36; the other far away
+    long = requests({"start_times": [9.9, 40.0], "ttfts": [0.45, 0.2], "itls": [[0.01, 0.01], [0.01]]})
+    assert decode_side[0]["max_gap_end_s"] == 10.25 and decode_side[1]["max_gap_end_s"] == 10.3
+    run = {
+        "requests": decode_side,
+        "attainment": {"ttft<=1000ms,gap<=50ms": 0.25},
+        "others": {"long": {"requests": long}},
+    }
+    s = summary([run, run], "ttft<=1000ms,gap<=50ms", 50)
+    assert s["hits"] == 6 and s["events"] == 4  # A and B overlap: 2 events of 3 stalls, per repeat
+    assert s["handoff"] == 0 and s["long_prefill"] == 2 and s["local_prefill"] == 2 and s["none"] == 2
+    assert s["pooled"]["requests"] == 8 and s["pooled"]["met"] == 2
+    assert s["pooled"]["low"] < 0.25 < s["pooled"]["high"]
+    assert 0 < s["long_prefill_time_share"] < 1 and round(s["longest_ms"]) == 200
 
 
 def test_the_load_generator_gets_its_priority_across_sessions(tmp_path, monkeypatch):
