@@ -41,6 +41,15 @@ def shipped_config() -> dict:
     return yaml.safe_load((ROOT / "configs" / "local-cpu.yaml").read_text())
 
 
+def engine_dtype() -> str:
+    """The dtype the default cluster's engines run the bench model in on this machine (its
+    `model.dtype`, `native` resolved as pdcluster's engines resolve it): for baselines outside
+    pdcluster, so that every setup of a run computes in the same dtype."""
+    from pdcluster.engine.dtype import resolve_dtype
+
+    return resolve_dtype(shipped_config()["model"]["dtype"], str(MODEL), on_cpu=True)[0]
+
+
 def base_config(name: str, **overrides) -> dict:
     """The default cluster, named `name`, on the bench model, with every prompt taking the P/D
     path (no local prefill: the path most benchmarks measure) unless `overrides` set it."""

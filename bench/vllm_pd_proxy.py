@@ -162,7 +162,7 @@ def baseline_env(bind: str, kv_gib: int, onednn_cache: int, side_port: int) -> d
 def _vllm_serve(
     port: int, env: dict[str, str], engine_args: dict[str, Any], max_model_len: int, log: Path
 ) -> subprocess.Popen:
-    from bench.common import MODEL, ROOT
+    from bench.common import MODEL, ROOT, engine_dtype
 
     cmd = [
         sys.executable,
@@ -170,6 +170,8 @@ def _vllm_serve(
         "pdcluster.vllm_cli",
         "serve",
         str(MODEL),
+        "--dtype",
+        engine_dtype(),
         "--served-model-name",
         "tiny",
         "--host",

@@ -54,7 +54,7 @@ class ModelSection(_Model):
     path: str = Field(description="Model directory (or hub id where a hub is reachable).")
     name: str | None = Field(None, description="Served model name; default: the path's basename.")
     tokenizer: str | None = Field(None, description="Tokenizer path; default: the model path.")
-    dtype: str = Field("auto", description="Weights/activation dtype (vLLM `dtype`).")
+    dtype: str = Field("auto", description="Weights/activation dtype: vLLM's `dtype`, or `native` (engine/dtype.py).")
     max_model_len: int | None = Field(None, ge=16, description="Context length (prompt + output).")
 
     @property

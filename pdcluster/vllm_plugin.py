@@ -29,6 +29,7 @@ import os
 import platform
 
 from pdcluster import compat
+from pdcluster.engine.dtype import cpu_flags
 from pdcluster.engine.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -47,14 +48,7 @@ _amx_requested: bool | None = None
 
 
 def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_tile" in line.split()
-    except OSError:
-        return False
-    return False
+    return "amx_tile" in cpu_flags()
 
 
 def request_amx_permission() -> bool:

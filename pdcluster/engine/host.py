@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from pdcluster import compat
+from pdcluster.engine.dtype import NATIVE, resolve_dtype
 from pdcluster.engine.http_auth import RequireEngineKey
 from pdcluster.engine.kv_errors import KVErrorAnswers
 from pdcluster.engine.kv_events import EVENTS_PATH, KVEventRelay
@@ -101,6 +102,11 @@ class EngineHost:
             self._failures = FailureInbox(on_abort=self._abort_soon(asyncio.get_running_loop()))
             os.environ[FAILURE_SOCKET_ENV] = self._failures.path
         kwargs = self.spec.engine_kwargs()
+        kwargs["dtype"], warning = resolve_dtype(kwargs["dtype"], self.spec.model, on_cpu=compat.platform_device()[1])
+        if warning:  # `native` choosing float32 is what was asked for: said, not warned
+            (logger.info if self.spec.dtype == NATIVE else logger.warning)(
+                "engine %s: %s", self.spec.engine_id, warning
+            )
         if self.spec.kv_events:
             from vllm.config import KVEventsConfig
 

@@ -1,4 +1,5 @@
-"""P/D in bfloat16 (the shipped configs' dtype) against one aggregated engine, MTP on.
+"""P/D in bfloat16 (the model's dtype, the shipped configs' `native` on CPUs that compute it) against one
+aggregated engine, MTP on.
 
 Strict identity runs in float32 (test_kv_handoff.py, test_mtp_pd.py, test_cluster.py). In bf16 the
 same P/D computation, done in another order, may flip a near-tie, and which ones flip depends on
