@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import MODEL, machine, write_results  # noqa: E402
-from pdcluster.engine.dtype import NATIVE_FLAGS, cpu_flags, resolve_dtype  # noqa: E402
+from pdcluster.engine.dtype import NATIVE_FLAGS, cpu_flags, cpuinfo_field, resolve_dtype  # noqa: E402
 
 SHAPES = {"q/k/v/o": (256, 256), "mlp up": (256, 768), "mlp down": (768, 256), "lm head": (256, 4096)}
 TOKENS = {"prefill chunk": 1536, "decode batch": 8}
@@ -40,11 +40,6 @@ def seconds(tokens: int, dtype: torch.dtype, budget_s: float = 0.2) -> float:
             torch.nn.functional.linear(x, w)
         n += 1
     return (time.perf_counter() - start) / n
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {label} | {r['tokens']} | {r['float32_ms']:.2f} | {r['bfloat16_ms']:.2f} | {r['bf16_over_fp32']:.2f}× |"
         )
     simd = sorted(flags & {"avx2", "avx512f", "amx_tile", "asimd", "sve"})
-    lines += ["", f"Machine: {machine()}, CPU {cpu_model()!r} ({', '.join(simd)}), torch {torch.__version__}"]
+    lines += [
+        "",
+        f"Machine: {machine()}, CPU {cpuinfo_field('model name') or 'unknown'!r} ({', '.join(simd)}), torch {torch.__version__}",
+    ]
     payload = {"rows": rows, "half_flags": half, "native": native, "machine": machine()}
     print(write_results("cpu-dtype", payload, "\n".join(lines) + "\n"))
     return 0

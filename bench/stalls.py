@@ -72,7 +72,8 @@ def stall_events(decode_side: list[dict], long: list[dict], s_ms: float) -> dict
     if not timed:  # results from before requests carried their times
         return {"events": 0, "hits": hits, "timed": False}
     lo = min(r["start_s"] for r in timed)
-    hi = max((r["max_gap_end_s"] or r["start_s"]) for r in timed if r.get("max_gap_end_s") is not None)
+    # a request's last moment seen: its worst gap's end, or its first token where it had no gap
+    hi = max(r.get("max_gap_end_s") or r["start_s"] + r["ttft_ms"] / 1e3 for r in timed)
     windows = {
         "handoff": intervals(long, "handoff"),
         "long_prefill": intervals(long, "prefill"),

@@ -26,17 +26,24 @@ NATIVE_FLAGS = {
 }
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The first processor's feature flags; empty where /proc/cpuinfo cannot be read."""
+def cpuinfo_field(*names: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first processor's value of the first of `names` found; "" where /proc/cpuinfo cannot
+    be read (not Linux) or has none of them."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
+                if key.strip() in names:
+                    return value.strip()
     except OSError:
-        return set()  # not Linux: no flags known, so nothing is called native
-    return set()
+        return ""
+    return ""
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The first processor's feature flags (x86 `flags`, Arm `Features`); empty where unknown,
+    so that nothing is called native."""
+    return set(cpuinfo_field("flags", "Features", cpuinfo=cpuinfo).split())
 
 
 def model_dtype(model: str) -> str | None:
@@ -53,13 +60,11 @@ def model_dtype(model: str) -> str | None:
 
 def resolve_dtype(dtype: str, model: str, *, on_cpu: bool, flags: set[str] | None = None) -> tuple[str, str | None]:
     """(the dtype to give vLLM, a warning to log or None) for a configured `dtype`."""
+    keep = "auto" if dtype == NATIVE else dtype  # vLLM's auto is the model's own dtype
     own = model_dtype(model) if dtype in (NATIVE, "auto") else dtype
     half = HALF.get(str(own).lower()) if own else None
-    if not on_cpu or half is None:
-        return ("auto" if dtype == NATIVE else dtype), None
-    flags = cpu_flags() if flags is None else flags
-    if flags & NATIVE_FLAGS[half]:
-        return ("auto" if dtype == NATIVE else dtype), None
+    if not on_cpu or half is None or (cpu_flags() if flags is None else flags) & NATIVE_FLAGS[half]:
+        return keep, None
     wanted = " or ".join(sorted(NATIVE_FLAGS[half]))
     if dtype == NATIVE:
         return "float32", f"model.dtype native: float32 (the model is {half}; this CPU has no {wanted})"

@@ -86,6 +86,10 @@ def test_stalls_that_hold_several_streams_at_once_are_one_event():
     assert s["pooled"]["requests"] == 8 and s["pooled"]["met"] == 2
     assert s["pooled"]["low"] < 0.25 < s["pooled"]["high"]
     assert 0 < s["long_prefill_time_share"] < 1 and round(s["longest_ms"]) == 200
+    # one-token answers have no gaps: the run ends at their first tokens, and nothing stalled
+    single = requests({"start_times": [5.0, 6.0], "ttfts": [0.1, 0.2], "itls": [[], []]})
+    quiet = summary([{"requests": single, "attainment": {}, "others": {}}], "ttft<=1000ms,gap<=50ms", 50)
+    assert quiet["events"] == 0 and quiet["timed"] and abs(quiet["seconds"] - 1.2) < 1e-9
 
 
 def test_the_load_generator_gets_its_priority_across_sessions(tmp_path, monkeypatch):
