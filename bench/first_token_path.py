@@ -57,6 +57,8 @@ def measure(setup: str, seed: int) -> tuple[list[dict], dict]:
 STAGES = {  # the handoff, in order (bench/serve.profile): mean ms per request
     "kv_lease_wait_mean_ms": "lease filed → pull starts",
     "kv_pull_mean_ms": "pull",
+    "kv_pull_cpu_mean_ms": "of it on a CPU",
+    "kv_pull_runqueue_mean_ms": "of it waiting for a CPU",
     "kv_load_report_mean_ms": "bytes in → vLLM told",
     "handoff_gap_mean_ms": "router: prefill's token → decode's first",
 }

@@ -299,6 +299,8 @@ PROFILE_METRICS = (
     "pdcluster_prefill_seconds",
     "pdcluster_ttft_seconds",
     "pdcluster_kv_pull_seconds_total",
+    "pdcluster_kv_pull_cpu_seconds_total",
+    "pdcluster_kv_pull_runqueue_seconds_total",
     "pdcluster_kv_pulls_total",
     "pdcluster_kv_lease_wait_seconds_total",
     "pdcluster_kv_load_report_seconds_total",
@@ -351,6 +353,9 @@ def profile(before: dict, after: dict) -> dict:
         # the handoff, stage by stage: lease filed -> pull started -> bytes in -> vLLM told
         "kv_lease_wait_mean_ms": per_pull("pdcluster_kv_lease_wait_seconds_total"),
         "kv_pull_mean_ms": per_pull("pdcluster_kv_pull_seconds_total"),
+        # of the pull: its thread on a CPU, and runnable but waiting for one (the rest: blocked)
+        "kv_pull_cpu_mean_ms": per_pull("pdcluster_kv_pull_cpu_seconds_total"),
+        "kv_pull_runqueue_mean_ms": per_pull("pdcluster_kv_pull_runqueue_seconds_total"),
         "kv_load_report_mean_ms": per_pull("pdcluster_kv_load_report_seconds_total"),
         # prefill's first token -> decode's first one, as the router relayed them
         "handoff_gap_mean_ms": mean("pdcluster_handoff_gap_seconds"),

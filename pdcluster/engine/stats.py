@@ -36,6 +36,8 @@ class EngineStats:
     kv_pull_seconds: float = 0.0
     kv_lease_wait_seconds: float = 0.0  # handoff stages before and after the pulls (kv_transfer/stats.py)
     kv_load_report_seconds: float = 0.0
+    kv_pull_cpu_seconds: float = 0.0  # of kv_pull_seconds: the pulling thread on a CPU
+    kv_pull_runqueue_seconds: float = 0.0  # ... and runnable, waiting for a CPU
     kv_pulls_one_sided: int = 0  # of kv_pulls_ok: read without a call to the producer (shm)
     kv_leases_released: int = 0
     kv_leases_expired: int = 0

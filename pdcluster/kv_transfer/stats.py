@@ -7,7 +7,9 @@ engine host adds them to its totals (engine/stats.py).
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,10 @@ COUNTERS = (
     "lease_wait_seconds",  # lease filed on the producer -> its pull started here
     "load_report_seconds",  # the pull's bytes in -> vLLM told (the next get_finished)
     "pulls_one_sided",  # pulls_ok read without a call to the producer (shm: ShmClient._read_leased)
+    # of pull_seconds: the pulling thread on a CPU, and runnable but waiting for one (the rest:
+    # blocked, on the GIL, a lock or the producer)
+    "pull_cpu_seconds",
+    "pull_runqueue_seconds",
     "leases_released",
     "leases_expired",
 )
@@ -70,6 +76,30 @@ class PDTransferStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+_SCHEDSTAT = os.path.exists("/proc/thread-self/schedstat")
+
+
+class ThreadClock:
+    """The calling thread's CPU time and run-queue wait since construction, from the kernel's
+    per-thread schedstat (run-queue wait reads 0 where the kernel keeps no schedstat)."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float]:
+        if not _SCHEDSTAT:
+            return time.thread_time(), 0.0
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+    def elapsed(self) -> tuple[float, float]:
+        """(seconds on a CPU, seconds runnable but waiting for a CPU) since construction."""
+        now = self._read()
+        return max(0.0, now[0] - self._start[0]), max(0.0, now[1] - self._start[1])
 
 
 def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:

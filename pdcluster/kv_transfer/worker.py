@@ -43,7 +43,7 @@ from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import ProducerInfo
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext, Pool
-from pdcluster.kv_transfer.stats import PDTransferStats, failure_cause
+from pdcluster.kv_transfer.stats import PDTransferStats, ThreadClock, failure_cause
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink, Transport, TransportClient, TransportServer
 from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
@@ -63,6 +63,7 @@ class PullResult:
     lease_wait: float = 0.0  # handoff stage (stats): lease filed on the producer -> pull started
     done_at: float = 0.0  # time.monotonic() when the bytes were in: vLLM hears of it later
     one_sided: bool = False  # read without a call to the producer (CacheSink.one_sided)
+    thread: tuple[float, float] = (0.0, 0.0)  # of `seconds`: on a CPU, waiting for one (ThreadClock)
 
 
 class ConnectorWorker:
@@ -253,6 +254,8 @@ class ConnectorWorker:
                 self.stats.add("lease_wait_seconds", result.lease_wait)
                 self.stats.add("load_report_seconds", time.monotonic() - result.done_at)
                 self.stats.add("pulls_one_sided", int(result.one_sided))
+                self.stats.add("pull_cpu_seconds", result.thread[0])
+                self.stats.add("pull_runqueue_seconds", result.thread[1])
             else:
                 self.stats.add("pulls_failed")
                 self.stats.add_failure(result.cause)
@@ -379,7 +382,7 @@ class ConnectorWorker:
             )
 
     def _pull(self, spec: PullSpec) -> PullResult:
-        started = time.perf_counter()
+        started, clock = time.perf_counter(), ThreadClock()
         # expiry = filing + lease_seconds (the cluster's); across hosts this adds their clock offset
         lease_wait = max(0.0, time.time() - (spec.remote.remote_lease_expiry - self.settings.lease_seconds))
         faults = self.faults
@@ -455,7 +458,7 @@ class ConnectorWorker:
         else:
             self._release_later(spec.remote, True)
         result = PullResult(spec.request_id, True, nbytes, seconds, event, lease_wait=lease_wait)
-        result.done_at, result.one_sided = time.monotonic(), sink.one_sided
+        result.done_at, result.one_sided, result.thread = time.monotonic(), sink.one_sided, clock.elapsed()
         return result
 
     def _release_later(self, lease: KVParams, transferred: bool) -> None:

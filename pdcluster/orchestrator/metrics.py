@@ -95,6 +95,16 @@ class _EngineCollector:
             "Time spent in KV pulls (sum; divide by pulls for the mean)",
             labels=["replica"],
         )
+        pull_cpu = CounterMetricFamily(
+            "pdcluster_kv_pull_cpu_seconds",
+            "Of the KV pulls' time: their thread on a CPU (sum; the rest is waiting for a CPU or blocked)",
+            labels=["replica"],
+        )
+        pull_runqueue = CounterMetricFamily(
+            "pdcluster_kv_pull_runqueue_seconds",
+            "Of the KV pulls' time: their thread runnable but waiting for a CPU (sum; 0 without schedstat)",
+            labels=["replica"],
+        )
         lease_wait = CounterMetricFamily(
             "pdcluster_kv_lease_wait_seconds",
             "From a lease's filing on the prefill replica to its pull's start (sum; divide by pulls; "
@@ -152,6 +162,8 @@ class _EngineCollector:
                     pull_failures.add_metric([rid, cause], count)
                 kv_bytes.add_metric([rid], stats.get("kv_bytes_received", 0))
                 kv_seconds.add_metric([rid], stats.get("kv_pull_seconds", 0.0))
+                pull_cpu.add_metric([rid], stats.get("kv_pull_cpu_seconds", 0.0))
+                pull_runqueue.add_metric([rid], stats.get("kv_pull_runqueue_seconds", 0.0))
                 lease_wait.add_metric([rid], stats.get("kv_lease_wait_seconds", 0.0))
                 load_report.add_metric([rid], stats.get("kv_load_report_seconds", 0.0))
                 one_sided.add_metric([rid], stats.get("kv_pulls_one_sided", 0))
@@ -173,6 +185,8 @@ class _EngineCollector:
             pull_failures,
             kv_bytes,
             kv_seconds,
+            pull_cpu,
+            pull_runqueue,
             lease_wait,
             load_report,
             one_sided,

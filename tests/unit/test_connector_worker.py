@@ -4,7 +4,10 @@ vLLM, never an exception that would kill the engine."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,6 +17,7 @@ from pdcluster.kv_transfer.metadata import PDConnectorMetadata, PullSpec
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
+from pdcluster.kv_transfer.stats import ThreadClock
 from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.worker import ConnectorWorker
 from tests.unit.kv_fixtures import make_cache
@@ -99,6 +103,37 @@ def test_a_pull_times_the_handoff_stages_around_it(producer, consumer):
     assert stats["pulls_ok"] == 1
     assert 2 <= stats["lease_wait_seconds"] < 2 + 30  # the pull's own deadline bounds the rest
     assert 0 < stats["load_report_seconds"] < 30
+    # the pull's thread: on a CPU for part of the pull, never longer than the pull (1 ms: clocks)
+    assert 0 < stats["pull_cpu_seconds"]
+    assert stats["pull_cpu_seconds"] + stats["pull_runqueue_seconds"] <= stats["pull_seconds"] + 1e-3
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel keeps no schedstat")
+def test_a_thread_clock_tells_cpu_time_from_waiting_for_a_cpu():
+    """This thread spinning on a CPU that another process spins on too: it runs part of the
+    time and waits for the CPU the rest; sleeping, it does neither."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    code = f"import os; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\nwhile True: pass"
+    rival = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    mask = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})  # the calling thread only
+        rival.stdout.readline()  # pinned, and spinning from now on
+        clock, began = ThreadClock(), time.thread_time()
+        while time.thread_time() - began < 0.1:
+            pass
+        on_cpu, waiting = clock.elapsed()
+    finally:
+        os.sched_setaffinity(0, mask)
+        rival.kill()
+        rival.wait()
+    assert on_cpu >= 0.09
+    assert waiting >= 0.03  # the rival ran meanwhile: as long again when the CPU is shared fairly
+
+    sleeper = ThreadClock()
+    time.sleep(0.05)
+    on_cpu, waiting = sleeper.elapsed()
+    assert on_cpu < 0.02 and waiting < 0.02
 
 
 def test_local_block_ids_outside_the_cache_are_a_failed_load(producer, consumer):
