@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcluster import compat
 from pdcluster.keys import KV_PARAMS, derive_key
+from pdcluster.kv_transfer import colocated
 from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
@@ -283,5 +284,10 @@ class ConnectorScheduler:
         if key:
             first = request.output_token_ids[0] if request.num_output_tokens else -1
             handout = {"key": key, "params": json.dumps(lease.to_dict()), "first_token": first}
-        self._meta.new_leases.append(LeaseSpec(request.request_id, tuple(block_ids), expiry, **handout))
+        spec = LeaseSpec(request.request_id, tuple(block_ids), expiry, **handout)
+        filer = colocated.filer_for(self.engine_id)
+        if filer is not None:
+            filer.file_leases([spec])  # our worker half is in this process: now, not next step
+        else:
+            self._meta.new_leases.append(spec)
         return True, lease.to_dict()

@@ -1,9 +1,9 @@
 """Worker half of the connector (runs in each model-runner process, beside the KV cache).
 
-Producer: `register_kv_caches` starts the transport server over the cache; each step, leases
-announced by the scheduler are registered with the event recorded after the previous step's
-forward (the one that wrote their blocks), and released/expired leases are reported as
-`finished_sending` so vLLM frees the blocks.
+Producer: `register_kv_caches` starts the transport server over the cache; leases announced by
+the scheduler (in the next step's metadata, or at once where it shares this process:
+colocated.py) are filed with the event recorded after the forward that wrote their blocks, and
+released/expired leases are reported as `finished_sending` so vLLM frees the blocks.
 
 Consumer: pulls announced by the scheduler run on a small thread pool: the gRPC control handshake
 with the producer's endpoint (once; it says where the producer runs and what it offers), the
@@ -28,11 +28,14 @@ import torch
 
 from pdcluster.errors import KVTransferError, LeaseExpiredError, UntrustedParamsError
 from pdcluster.keys import KV_PARAMS, derive_key
+from pdcluster.kv_transfer import colocated
 from pdcluster.kv_transfer.ahead import AheadPulls
 from pdcluster.kv_transfer.failures import report_failure
 from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import PagedKVCache
+from pdcluster.kv_transfer.links import ProducerLinks
 from pdcluster.kv_transfer.metadata import (
+    LeaseSpec,
     PDConnectorMetadata,
     PDHandshakeMetadata,
     PDWorkerMetadata,
@@ -40,13 +43,12 @@ from pdcluster.kv_transfer.metadata import (
 )
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.kv_transfer.producer import KVProducer
-from pdcluster.kv_transfer.protocol import ProducerInfo
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext, Pool
 from pdcluster.kv_transfer.stats import PDTransferStats, ThreadClock, failure_cause
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink, Transport, TransportClient, TransportServer
-from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
+from pdcluster.kv_transfer.transports.selection import offered_backends
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +98,8 @@ class ConnectorWorker:
         self._last_step_event = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[PullResult]] = {}
-        self._clients: dict[tuple[str, str], TransportClient] = {}  # (endpoint, backend)
-        self._producers: dict[tuple[str, str], ProducerInfo] = {}  # (endpoint, backend) handshaken
-        self._clients_lock = threading.Lock()
+        self._links: ProducerLinks | None = None  # consumer: clients of producers
+        self._transports_lock = threading.Lock()
         self._scatterers: Pool[BlockScatterer] | None = None
         self.stats = PDTransferStats()
         self._pending_lock = threading.Lock()  # lookup threads add the pulls of found leases
@@ -135,23 +136,26 @@ class ConnectorWorker:
                 faults=self.faults,
             )
             self.server = self._bind_server()
+            if self.tp_size == 1:  # the only rank: the scheduler half may share our process
+                colocated.register(self.engine_id, self)
         if self.is_consumer:
             cache = self.cache
             chunk = self.settings.max_chunk_bytes
             self._scatterers = Pool(lambda: BlockScatterer(cache, chunk))
             self._executor = ThreadPoolExecutor(max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull")
+            self._links = links = ProducerLinks(self.settings, self.engine_id, cache, self.offers, self._transport)
             self._ahead = AheadPulls(
                 engine_id=self.engine_id,
                 params_key=self._params_key,
                 timeout_s=self.settings.release_timeout_seconds,
                 endpoint_for=self._endpoint,
-                connection=lambda endpoint: self._connection(endpoint, "grpc"),
+                connection=links.connection,
                 submit_pull=self._submit_pull,
                 report_failed=self._report_failed,
             )
 
     def _transport(self, name: str) -> Transport:
-        with self._clients_lock:
+        with self._transports_lock:
             transport = self._transports.get(name)
             if transport is None:
                 assert self.cache is not None
@@ -188,18 +192,24 @@ class ConnectorWorker:
 
     # -- per step ----------------------------------------------------------------------------
 
+    def file_leases(self, leases: list[LeaseSpec]) -> None:
+        """Hold finished prefills' blocks for their consumers (from the step's metadata, or at
+        once from the scheduler half in this process: colocated.py)."""
+        assert self.producer is not None
+        now_wall, now_mono = time.time(), time.monotonic()
+        for lease in leases:
+            self.producer.leases.add(
+                lease.request_id,
+                lease.block_ids,
+                now_mono + (lease.expiry_unix - now_wall),
+                ready_event=self._last_step_event,
+                key=lease.key,
+                handout=(lease.params, lease.first_token) if lease.key else None,
+            )
+
     def bind(self, meta: PDConnectorMetadata) -> None:
-        if self.producer is not None and meta.new_leases:
-            now_wall, now_mono = time.time(), time.monotonic()
-            for lease in meta.new_leases:
-                self.producer.leases.add(
-                    lease.request_id,
-                    lease.block_ids,
-                    now_mono + (lease.expiry_unix - now_wall),
-                    ready_event=self._last_step_event,
-                    key=lease.key,
-                    handout=(lease.params, lease.first_token) if lease.key else None,
-                )
+        if meta.new_leases:
+            self.file_leases(meta.new_leases)
         if self.is_consumer and self._ahead is not None:
             for pull in meta.pulls:
                 if pull.awaiting is not None:
@@ -292,55 +302,20 @@ class ConnectorWorker:
             )
         return lease.remote_endpoints[self.tp_rank]
 
-    def _connection(self, endpoint: str, backend: str = "grpc") -> TransportClient:
-        """A (cached) client for a producer endpoint; no handshake implied."""
-        transport = self._transport(backend)
-        with self._clients_lock:
-            client = self._clients.get((endpoint, backend))
-            if client is None:
-                client = self._clients[(endpoint, backend)] = transport.connect(endpoint)
-            return client
-
-    def _verified_connection(self, endpoint: str, backend: str) -> tuple[TransportClient, ProducerInfo]:
-        """A client whose producer passed the layout handshake (once per endpoint and backend),
-        and what that producer said of itself there."""
-        client = self._connection(endpoint, backend)
-        with self._clients_lock:
-            info = self._producers.get((endpoint, backend))
-        if info is None:
-            assert self.cache is not None
-            info = client.handshake(self.cache.layout, self.engine_id)  # raises HandshakeError
-            with self._clients_lock:
-                self._producers[(endpoint, backend)] = info
-        return client, info
-
-    def backend_for(self, endpoint: str, info: ProducerInfo) -> str:
-        """The backend this consumer uses with that producer (raises naming both sides)."""
-        assert self.cache is not None
-        return choose_backend(
-            self.settings.backend,
-            local_node=node_id(),
-            local_device=self.cache.device.type,
-            remote_node=info.node_id,
-            remote_device=info.device_kind,
-            remote_offers=info.offers,
-            remote_engine=info.engine_id or endpoint,
-            encrypted=self.settings.tls is not None,
-            local_offers=self.offers,
-        )
-
     def _producer_client(self, lease: KVParams) -> tuple[TransportClient, str]:
         """The verified client of the backend this consumer uses with the lease's producer: the
         gRPC control handshake first (it says where the producer runs and what it offers)."""
         endpoint = self._endpoint(lease)
         if self.faults.should_dial_unreachable():
             endpoint = "127.0.0.1:1"  # injected fault: nothing listens there
-        _, info = self._verified_connection(endpoint, "grpc")
-        backend = self.backend_for(endpoint, info)
+        links = self._links
+        assert links is not None
+        _, info = links.verified(endpoint, "grpc")
+        backend = links.backend_for(endpoint, info)
         self.stats.set_backend(lease.remote_engine_id, backend)
         if backend == "grpc":
-            return self._connection(endpoint, "grpc"), backend
-        return self._verified_connection(endpoint, backend)[0], backend
+            return links.connection(endpoint, "grpc"), backend
+        return links.verified(endpoint, backend)[0], backend
 
     def _submit_pull(self, spec: PullSpec) -> None:
         assert self._executor is not None
@@ -372,7 +347,7 @@ class ConnectorWorker:
 
     def _renew(self, endpoint: str, request_ids: list[str]) -> None:
         try:
-            renewed = self._connection(endpoint, "grpc").renew(
+            renewed = self._links.connection(endpoint, "grpc").renew(
                 request_ids, engine_id=self.engine_id, timeout_s=self.settings.release_timeout_seconds
             )
             logger.debug("renewed %d of %d queued leases on %s", renewed, len(request_ids), endpoint)
@@ -479,7 +454,7 @@ class ConnectorWorker:
             )
             return
         try:
-            self._connection(self._endpoint(lease), "grpc").release(
+            self._links.connection(self._endpoint(lease), "grpc").release(
                 lease.remote_request_id,
                 transferred=transferred,
                 engine_id=self.engine_id,
@@ -492,14 +467,13 @@ class ConnectorWorker:
     # -- shutdown ----------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        colocated.unregister(self.engine_id, self)
         if self._ahead is not None:
             self._ahead.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        with self._clients_lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
+        if self._links is not None:
+            self._links.close()
         if self.server is not None:
             self.server.stop()
             self.server = None

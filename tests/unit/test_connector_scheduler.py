@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import time
 
 import pytest
@@ -218,6 +219,57 @@ def test_producer_leases_what_it_computed(tmp_path):
     assert given.remote_num_tokens == 300 and given.remote_request_id == req.request_id
     (held,) = connector.build_connector_meta(None).new_leases
     assert held.block_ids == tuple(blocks) and abs(held.expiry_unix - given.remote_lease_expiry) < 1e-6
+
+
+def test_a_producer_whose_worker_shares_the_process_files_its_lease_at_once(tmp_path):
+    """Single-process engines: the worker half registered its producer in this process, so the
+    lease is filed there when the prefill finishes; a consumer looking it up by key finds it
+    before the engine schedules again, and the next step's metadata has nothing to file twice."""
+    from vllm.v1.request import RequestStatus
+
+    from pdcluster.kv_transfer.params import LEASE_KEY
+    from pdcluster.kv_transfer.worker import ConnectorWorker
+    from tests.unit.kv_fixtures import make_cache
+
+    config = vllm_config(tmp_path, "kv_producer")
+    scheduler, hasher = make_scheduler(config)
+    connector = scheduler.connector
+    settings = KVTransferSettings.from_connector_config(config.kv_transfer_config.kv_connector_extra_config)
+    worker = ConnectorWorker(
+        settings,
+        "test-kv_producer",  # the scheduler half's engine id (vllm_config)
+        model="tiny",
+        block_size=16,
+        num_blocks=None,
+        tp_size=1,
+        tp_rank=0,
+        is_producer=True,
+        is_consumer=False,
+    )
+    cache = make_cache()
+    worker.register_kv_caches(dict(zip(cache.layer_names, cache.tensors)))
+    try:
+        connector.set_xfer_handshake_metadata({0: worker.handshake_metadata()})
+        key = "ab" * 16
+        req = request(hasher, PROMPT[:300], {**ASK_PREFILL, LEASE_KEY: key}, max_tokens=1)
+        scheduler.add_request(req)
+        step(scheduler)
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        keep, params = connector.request_finished(req, local_blocks(scheduler, req))
+        assert keep is True
+        assert worker.producer is not None
+        (found,) = worker.producer.handouts([key], 0.0).values()  # no wait: filed already
+        assert json.loads(found[0]) == params
+        assert connector.build_connector_meta(None).new_leases == []
+    finally:
+        worker.shutdown()
+    # once the worker is gone, a lease travels in the step's metadata again
+    req = request(hasher, PROMPT[:300], dict(ASK_PREFILL), max_tokens=1)
+    scheduler.add_request(req)
+    step(scheduler)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert connector.request_finished(req, local_blocks(scheduler, req))[0] is True
+    assert len(connector.build_connector_meta(None).new_leases) == 1
 
 
 def test_queued_requests_have_their_leases_renewed_until_their_pull(consumer):
