@@ -294,6 +294,7 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
             lines.append(f"- {setup}: {'none of the rates tried' if rate is None else f'{rate:g} req/s'}{ratio}")
         lines.append("")
         lines += others_table(medians, name, keys)
+        lines += handoff_table(raw, name)
         rows = [(setup, p["scale"], p["stalls"]) for setup, per in medians.items() for p in per.get(name, [])]
         lines += stall_table(rows, STALL_PAIR)
         png = RESULTS / f"{date}-serve-sweep-{name}.png"
@@ -336,6 +337,35 @@ def others_table(medians: dict, name: str, keys: list[str]) -> list[str]:
             f"| {setup} | {p['scale']:g} | {stream} | {o['requests']} | {cells} | {fmt(o['ttft_p50_ms'])} | "
             f"{fmt(o['gap_1_2_p50_ms'])} / {fmt(o['gap_1_2_p99_ms'])} | "
             f"{fmt(o['token_2_p50_ms'])} / {fmt(o['token_2_p99_ms'])} | {router} |"
+        )
+    return [*lines, ""]
+
+
+def handoff_table(raw: dict, name: str) -> list[str]:
+    """The P/D handoff's stages per repeat, from the cluster's metrics (means per pull, ms): one
+    slow repeat shows here, where the pooled tables hide it."""
+    rows = [
+        (setup, run) for setup, per in raw.items() for run in per.get(name, []) if (run.get("router") or {}).get("kv_pull_mean_ms") is not None
+    ]  # fmt: skip
+    if not rows:
+        return []
+    lines = [
+        "The handoff per repeat (cluster metrics, mean ms per pull): lease filed on prefill → pull starts on "
+        "decode; the pull, and of it the pulling thread on a CPU / waiting for one (the rest: blocked); "
+        "bytes in → vLLM told (the engine's next step); the router's handoff gap (prefill's token → decode's "
+        "first), and how many of those were over 50 ms:",
+        "",
+        "| setup | scale | repeat | lease filed → pull | pull | on a CPU / waiting | bytes in → told | handoff gap | > 50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for setup, run in rows:
+        r = run["router"]
+        over = f"{r.get(HANDOFF_OVER) or 0:.0f} of {r.get('handoff_gaps') or 0:.0f}"
+        lines.append(
+            f"| {setup} | {run['scale']:g} | {run['repeat']} | {fmt(r.get('kv_lease_wait_mean_ms'))} | "
+            f"{fmt(r.get('kv_pull_mean_ms'))} | {fmt(r.get('kv_pull_cpu_mean_ms'))} / "
+            f"{fmt(r.get('kv_pull_runqueue_mean_ms'))} | {fmt(r.get('kv_load_report_mean_ms'))} | "
+            f"{fmt(r.get('handoff_gap_mean_ms'))} | {over} |"
         )
     return [*lines, ""]
 

@@ -152,6 +152,27 @@ def test_the_sweep_reads_the_first_token_paths_own_stream():
     assert long["router_handoff_gaps"] == 4 and long["router_handoff_gaps_over_50ms"] == 1
 
 
+def test_the_sweep_shows_each_repeats_handoff_stages():
+    """Per repeat, from the cluster's counters: a repeat whose pulls waited for a CPU stands out;
+    a setup without pulls (aggregated) has no row."""
+    from bench.serve import profile
+    from bench.serve_sweep import handoff_table
+
+    def run(repeat, pull_s, runqueue_s):
+        counters = {
+            "pdcluster_kv_pulls_total": 10.0,
+            "pdcluster_kv_pull_seconds_total": pull_s,
+            "pdcluster_kv_pull_cpu_seconds_total": 0.01,
+            "pdcluster_kv_pull_runqueue_seconds_total": runqueue_s,
+        }
+        return {"scale": 0.3, "repeat": repeat, "router": profile({}, counters)}
+
+    raw = {"pd": {"interference": [run(0, 0.02, 0.005), run(1, 0.3, 0.25)]}, "aggregated": {"interference": [{"scale": 0.3, "repeat": 0, "router": profile({}, {})}]}}  # fmt: skip
+    rows = [line for line in handoff_table(raw, "interference") if line.startswith("| pd |")]
+    assert len(rows) == 2 and not any("aggregated" in line for line in handoff_table(raw, "interference"))
+    assert "| 2.0 | 1.0 / 0.5 |" in rows[0] and "| 30.0 | 1.0 / 25.0 |" in rows[1]
+
+
 def test_tokens_that_come_with_the_first_count_as_gaps_of_zero():
     """A first chunk carrying two tokens: the second token's gap is 0, and the next chunk's gap
     is the next token's (it was read as the 1 -> 2 gap, and one token's gap went missing)."""
