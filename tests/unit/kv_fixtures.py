@@ -29,3 +29,23 @@ def make_cache(
             t = torch.zeros(shape, dtype=dtype)
         tensors[f"model.layers.{i}.self_attn.attn"] = t
     return PagedKVCache(tensors, model=model, block_size=block_size)
+
+
+def make_worker(settings, engine_id: str, *, producer: bool, fill: str = "random"):
+    """A connector worker half (tp 1) over a make_cache cache: a producer or a consumer."""
+    from pdcluster.kv_transfer.worker import ConnectorWorker
+
+    cache = make_cache(fill=fill)
+    worker = ConnectorWorker(
+        settings,
+        engine_id,
+        model="tiny",
+        block_size=16,
+        num_blocks=None,
+        tp_size=1,
+        tp_rank=0,
+        is_producer=producer,
+        is_consumer=not producer,
+    )
+    worker.register_kv_caches(dict(zip(cache.layer_names, cache.tensors)))
+    return worker

@@ -228,26 +228,13 @@ def test_a_producer_whose_worker_shares_the_process_files_its_lease_at_once(tmp_
     from vllm.v1.request import RequestStatus
 
     from pdcluster.kv_transfer.params import LEASE_KEY
-    from pdcluster.kv_transfer.worker import ConnectorWorker
-    from tests.unit.kv_fixtures import make_cache
+    from tests.unit.kv_fixtures import make_worker
 
     config = vllm_config(tmp_path, "kv_producer")
     scheduler, hasher = make_scheduler(config)
     connector = scheduler.connector
     settings = KVTransferSettings.from_connector_config(config.kv_transfer_config.kv_connector_extra_config)
-    worker = ConnectorWorker(
-        settings,
-        "test-kv_producer",  # the scheduler half's engine id (vllm_config)
-        model="tiny",
-        block_size=16,
-        num_blocks=None,
-        tp_size=1,
-        tp_rank=0,
-        is_producer=True,
-        is_consumer=False,
-    )
-    cache = make_cache()
-    worker.register_kv_caches(dict(zip(cache.layer_names, cache.tensors)))
+    worker = make_worker(settings, "test-kv_producer", producer=True)  # the scheduler half's engine id
     try:
         connector.set_xfer_handshake_metadata({0: worker.handshake_metadata()})
         key = "ab" * 16

@@ -20,7 +20,7 @@ from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.stats import ThreadClock
 from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.worker import ConnectorWorker
-from tests.unit.kv_fixtures import make_cache
+from tests.unit.kv_fixtures import make_cache, make_worker
 
 SECRET = "worker-test-secret"
 SETTINGS = KVTransferSettings(secret=SECRET, backend="grpc", max_chunk_bytes=4096, pull_timeout_seconds=10)
@@ -36,19 +36,7 @@ def producer():
 
 @pytest.fixture
 def consumer():
-    cache = make_cache(fill="zeros")
-    worker = ConnectorWorker(
-        SETTINGS,
-        "decode-0",
-        model="tiny",
-        block_size=16,
-        num_blocks=None,
-        tp_size=1,
-        tp_rank=0,
-        is_producer=False,
-        is_consumer=True,
-    )
-    worker.register_kv_caches(dict(zip(cache.layer_names, cache.tensors)))
+    worker = make_worker(SETTINGS, "decode-0", producer=False, fill="zeros")
     yield worker
     worker.shutdown()
 
