@@ -193,13 +193,7 @@ def report(raw: dict, notes: dict, workloads: dict, args, engine_args: dict, max
             ]
             for setup, p in profiles.items():
                 over = p.get(HANDOFF_OVER)
-                split = f"{fmt(p.get('kv_pull_cpu_mean_ms'))} / {fmt(p.get('kv_pull_runqueue_mean_ms'))}"
-                cells = [
-                    *(fmt(p.get(k)) for k in ("router_ttft_mean_ms", "prefill_phase_mean_ms", "kv_lease_wait_mean_ms")),
-                    fmt(p.get("kv_pull_mean_ms")),
-                    split,
-                    *(fmt(p.get(k)) for k in ("kv_load_report_mean_ms", "handoff_gap_mean_ms")),
-                ]
+                cells = [fmt(p.get("router_ttft_mean_ms")), fmt(p.get("prefill_phase_mean_ms")), *handoff_cells(p)]
                 gaps = f"{over:.0f} of {p['handoff_gaps']:.0f}" if p.get("handoff_gaps") else "-"
                 lines.append(f"| {setup} | {' | '.join(cells)} | {gaps} |")
             lines.append("")
@@ -321,6 +315,19 @@ def verdicts(raw: dict, workloads: dict) -> list[str]:
     if baseline:
         out.append(f"- (baseline) failed requests, vLLM's own P/D: {baseline}")
     return out
+
+
+def handoff_cells(p: dict) -> list[str]:
+    """A profile's handoff stages as table cells (bench/serve.profile, ms): lease filed -> pull,
+    the pull, its thread on a CPU / waiting for one, bytes in -> vLLM told, the handoff gap."""
+    split = f"{fmt(p.get('kv_pull_cpu_mean_ms'))} / {fmt(p.get('kv_pull_runqueue_mean_ms'))}"
+    return [
+        fmt(p.get("kv_lease_wait_mean_ms")),
+        fmt(p.get("kv_pull_mean_ms")),
+        split,
+        fmt(p.get("kv_load_report_mean_ms")),
+        fmt(p.get("handoff_gap_mean_ms")),
+    ]
 
 
 def fmt(value) -> str:

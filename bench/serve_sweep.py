@@ -67,7 +67,7 @@ from bench.serve import (  # noqa: E402
     start_setup,
     warm_up,
 )
-from bench.serve_report import fmt, summarize  # noqa: E402
+from bench.serve_report import fmt, handoff_cells, summarize  # noqa: E402
 from bench.stalls import summary as stall_summary  # noqa: E402
 from bench.stalls import table as stall_table  # noqa: E402
 
@@ -361,12 +361,7 @@ def handoff_table(raw: dict, name: str) -> list[str]:
     for setup, run in rows:
         r = run["router"]
         over = f"{r.get(HANDOFF_OVER) or 0:.0f} of {r.get('handoff_gaps') or 0:.0f}"
-        lines.append(
-            f"| {setup} | {run['scale']:g} | {run['repeat']} | {fmt(r.get('kv_lease_wait_mean_ms'))} | "
-            f"{fmt(r.get('kv_pull_mean_ms'))} | {fmt(r.get('kv_pull_cpu_mean_ms'))} / "
-            f"{fmt(r.get('kv_pull_runqueue_mean_ms'))} | {fmt(r.get('kv_load_report_mean_ms'))} | "
-            f"{fmt(r.get('handoff_gap_mean_ms'))} | {over} |"
-        )
+        lines.append(f"| {setup} | {run['scale']:g} | {run['repeat']} | {' | '.join(handoff_cells(r))} | {over} |")
     return [*lines, ""]
 
 

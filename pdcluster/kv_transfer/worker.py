@@ -426,14 +426,14 @@ class ConnectorWorker:
                 error=str(exc),
                 cause=failure_cause(exc),
             )
-        seconds = time.perf_counter() - started
+        seconds, thread = time.perf_counter() - started, clock.elapsed()  # the same window
         logger.debug("pulled %d bytes for %s in %.1f ms", nbytes, spec.request_id, seconds * 1e3)
         if faults.should_drop_release():
             logger.warning("fault injection: not releasing %s", spec.remote.remote_request_id)
         else:
             self._release_later(spec.remote, True)
         result = PullResult(spec.request_id, True, nbytes, seconds, event, lease_wait=lease_wait)
-        result.done_at, result.one_sided, result.thread = time.monotonic(), sink.one_sided, clock.elapsed()
+        result.done_at, result.one_sided, result.thread = time.monotonic(), sink.one_sided, thread
         return result
 
     def _release_later(self, lease: KVParams, transferred: bool) -> None:
