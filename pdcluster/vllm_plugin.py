@@ -14,7 +14,9 @@ same venv stays stock:
     no engine core or worker behind;
   - step queues: vLLM's shared-memory queues between engine core and workers drop wake-up pings
     to a reader that sleeps (compat.keep_queue_pings), and spin for 1 s after each message
-    (compat.set_queue_reader_spin, per role from the config, see spin_for_this_process).
+    (compat.set_queue_reader_spin, per role from the config, see spin_for_this_process);
+  - idle steps: an engine core whose requests only wait on our connector waits for it instead
+    of stepping every 1 ms (compat.wait_between_idle_steps, kv_transfer/colocated.py).
 - `pdcluster_amx_permission` (`register_amx_permission`) only requests AMX permission, and only
   where VLLM_PLUGINS names it: the one fix a stock vLLM needs on AMX CPUs to decode on
   transferred KV at all (bench/serve.py's vLLM P/D baseline loads it there, and nothing else).
@@ -114,6 +116,9 @@ def register() -> None:
     if os.environ.get(WORKER_SPIN_ENV):
         set_worker_spin(spin_for_this_process(float(os.environ[WORKER_SPIN_ENV])))
     compat.keep_queue_pings()
+    from pdcluster.kv_transfer import colocated
+
+    compat.wait_between_idle_steps(colocated.idle_wait)
     spin_s, recheck_ms = compat.queue_reader_spin()
     logger.debug(
         "engine process fixes applied in %s: queue spin %g s, re-check %d ms, pings kept",

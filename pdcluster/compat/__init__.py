@@ -20,6 +20,9 @@ stock `vllm serve` in the same venv stays stock.
 The reaches, by module:
   vllm_queues    set_queue_reader_spin, keep_queue_pings   (shm_broadcast.SpinCondition, its
                  SHM_READER_RECHECK_INTERVAL_MS): vllm_plugin.py
+  vllm_core_loop wait_between_idle_steps, only_awaiting_kv, wakeup_item (EngineCore.post_step,
+                 EngineCoreProc.input_queue / _handle_client_request, EngineCoreRequestType.WAKEUP,
+                 the Scheduler's request sets, RequestStatus): vllm_plugin.py, kv_transfer/colocated.py
   vllm_engine    cpu_worker_base, parse_cpu_list, executor_choice, run_model_in_engine_core
                  (CPUWorker.init_device, parse_id_list, ParallelConfig): engine/single_process.py;
                  truncate_prompt, extend_prompt (Request._all_token_ids ...), blocks_and_local_hit
@@ -52,6 +55,7 @@ from pdcluster.compat.guard import (
     require_tested_vllm,
 )
 from pdcluster.compat.torch_dist import gloo_options, gloo_pair_group, hccl_pair_group, nccl_pair_group
+from pdcluster.compat.vllm_core_loop import check_core_loop, only_awaiting_kv, wait_between_idle_steps, wakeup_item
 from pdcluster.compat.vllm_engine import (
     blocks_and_local_hit,
     check_blocks_shape,
@@ -95,6 +99,7 @@ def shape_checks() -> dict[str, Callable[[], Any]]:
     return {
         "vllm version": require_tested_vllm,
         "set_queue_reader_spin / keep_queue_pings": queue_reader_spin,
+        "wait_between_idle_steps / only_awaiting_kv / wakeup_item": check_core_loop,
         "cpu_worker_base": cpu_worker_base,
         "parse_cpu_list": _parse_check,
         "run_model_in_engine_core": lambda: expect_executor_backend("uni"),
@@ -147,6 +152,7 @@ __all__ = [
     "is_pdcluster_engine_process",
     "keep_queue_pings",
     "nccl_pair_group",
+    "only_awaiting_kv",
     "openai_frontend_args",
     "parse_cpu_list",
     "platform_device",
@@ -159,4 +165,6 @@ __all__ = [
     "shape_problems",
     "stat_logger_base",
     "truncate_prompt",
+    "wait_between_idle_steps",
+    "wakeup_item",
 ]

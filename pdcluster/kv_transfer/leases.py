@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,10 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self) -> None:
+    def __init__(self, on_finished: Callable[[], None] | None = None) -> None:
+        # called (under the table's lock: it must not block) when a lease is released, so that
+        # an engine waiting idle steps and reports it (colocated.EngineWaker)
+        self._on_finished = on_finished
         self._leases: dict[str, Lease] = {}
         self._finished: list[Lease] = []
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> how its lease ended
@@ -176,6 +179,8 @@ class LeaseTable:
     def _finish(self, lease: Lease) -> None:
         lease.state = LeaseState.RELEASED
         self._finished.append(lease)
+        if self._on_finished is not None:
+            self._on_finished()
 
     def collect_finished(self, now: float | None = None) -> list[Lease]:
         """Released leases plus idle ones past their deadline; each is returned exactly once."""

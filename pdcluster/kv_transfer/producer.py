@@ -44,12 +44,13 @@ class KVProducer:
         lease_wait_s: float = 10.0,
         lease_seconds: float = 30.0,
         faults: FaultInjector | None = None,
+        on_lease_end: Callable[[], None] | None = None,
     ):
         self.cache = cache
         self.engine_id = engine_id
         self.layout: KVLayout = cache.layout
         self.digest = layout_digest(cache.layout)
-        self.leases = LeaseTable()
+        self.leases = LeaseTable(on_lease_end)
         self.max_chunk_bytes = max_chunk_bytes
         self.lease_wait_s = lease_wait_s
         self.lease_seconds = lease_seconds  # what a renewal extends a lease to

@@ -104,6 +104,7 @@ class ConnectorWorker:
         self.stats = PDTransferStats()
         self._pending_lock = threading.Lock()  # lookup threads add the pulls of found leases
         self._ahead: AheadPulls | None = None
+        self.waker = colocated.EngineWaker()  # wakes an engine core waiting idle (colocated.py)
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -134,6 +135,7 @@ class ConnectorWorker:
                 lease_wait_s=self.settings.lease_wait_seconds,
                 lease_seconds=self.settings.lease_seconds,
                 faults=self.faults,
+                on_lease_end=self.waker.wake,
             )
             self.server = self._bind_server()
             if self.tp_size == 1:  # the only rank: the scheduler half may share our process
@@ -153,6 +155,8 @@ class ConnectorWorker:
                 submit_pull=self._submit_pull,
                 report_failed=self._report_failed,
             )
+        if self.tp_size == 1:  # the only rank: the engine core may share our process
+            colocated.register_waker(self.waker)
 
     def _transport(self, name: str) -> Transport:
         with self._transports_lock:
@@ -323,7 +327,8 @@ class ConnectorWorker:
             if spec.request_id in self._pending:
                 logger.error("duplicate pull for %s ignored", spec.request_id)
                 return
-            self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
+            future = self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
+        future.add_done_callback(lambda _: self.waker.wake())
 
     def _report_failed(self, request_id: str, error: str, cause: str) -> None:
         """A load that ends without a pull, reported with the next finished ones."""
@@ -331,6 +336,7 @@ class ConnectorWorker:
         future.set_result(PullResult(request_id, False, error=error, cause=cause))
         with self._pending_lock:
             self._pending[request_id] = future
+        self.waker.wake()
 
     def _submit_renewals(self, leases: list[KVParams]) -> None:
         """Renew the leases of requests still queued here, one call per producer endpoint."""
@@ -468,6 +474,7 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         colocated.unregister(self.engine_id, self)
+        colocated.unregister_waker(self.waker)
         if self._ahead is not None:
             self._ahead.shutdown()
         if self._executor is not None:

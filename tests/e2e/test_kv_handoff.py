@@ -27,6 +27,7 @@ import pytest
 
 from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import params as kvp
+from pdcluster.kv_transfer.colocated import IDLE_WAIT_CAP_S
 from pdcluster.kv_transfer.params import KVParams
 from tests.support.engines import MAX_MODEL_LEN, assert_engine_key_required, run_engines, tiny_engine, vllm_processes
 from tests.support.handoff import NAME, complete, greedy, handoff, info, through_router, wait_for
@@ -472,6 +473,39 @@ def test_a_request_admitted_ahead_whose_lease_never_comes_ends_with_the_reason_a
     asyncio.run(leave_while_it_waits())
     stats = wait_for(lambda: (s := info(decode)["stats"])["kv_cache_usage"] == 0.0 and s, 30, "blocks back")
     assert stats["kv_pull_failures"].get("abandoned", 0) == before + 2
+    assert greedy(complete(decode, token_prompt(20), 3))
+
+
+@pytest.mark.parametrize("name, waits", [("decode", True), ("decode-shm", False)])
+def test_an_engine_whose_requests_only_await_their_lease_waits_instead_of_stepping(engines, name, waits):
+    """While its only request waits for a lease (admitted ahead; its prefill never comes here),
+    an engine whose connector worker shares its process waits on its input queue, woken by the
+    connector (kv_transfer/colocated.py): at most one step per IDLE_WAIT_CAP_S, not vLLM's one per
+    millisecond, which vLLM's worker-process layout (`decode-shm`) still takes. Each step sends
+    the front end its stats (`steps_recorded`). The request still ends at its deadline."""
+    decode = engines[name]
+    voucher = handoff(engines["prefill"], decode, token_prompt(60, offset=555), 2)[1]
+    wait_for(lambda: info(decode)["stats"]["kv_cache_usage"] == 0.0, 30, "idle D")
+    window_s = 1.0
+    spec = kvp.AwaitParams(secrets.token_hex(16), KVParams.from_dict(voucher), time.time() + 30)
+    body = {"model": NAME, "prompt": token_prompt(300, offset=999), "max_tokens": 5, "stream": True}
+
+    async def steps_per_second_while_it_waits() -> float:
+        async with httpx.AsyncClient(base_url=decode.url, headers=decode.headers, timeout=30) as client:
+            request = {**body, "kv_transfer_params": spec.to_dict()}
+            async with client.stream("POST", "/v1/completions", json=request) as response:
+                assert response.status_code == 200
+                await asyncio.to_thread(wait_for, lambda: info(decode)["stats"]["kv_cache_usage"] > 0, 30, "held")
+                before, start = info(decode)["stats"]["steps_recorded"], time.monotonic()
+                await asyncio.sleep(window_s)
+                return (info(decode)["stats"]["steps_recorded"] - before) / (time.monotonic() - start)
+
+    rate = asyncio.run(steps_per_second_while_it_waits())
+    if waits:
+        assert rate <= 2 / IDLE_WAIT_CAP_S, f"{name} stepped {rate:.0f} times a second while its request waited"
+    else:
+        assert rate > 4 / IDLE_WAIT_CAP_S, f"{name} (vLLM's layout) stepped only {rate:.0f} times a second"
+    wait_for(lambda: info(decode)["stats"]["kv_cache_usage"] == 0.0, 30, "blocks back")
     assert greedy(complete(decode, token_prompt(20), 3))
 
 

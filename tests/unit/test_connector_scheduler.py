@@ -276,3 +276,62 @@ def test_queued_requests_have_their_leases_renewed_until_their_pull(consumer):
     assert pull.renewed_until > params["remote_lease_expiry"] - 1
     half._last_renewal = 0.0
     assert half.build_connector_meta(None).renewals == []  # pulled: nothing left to renew
+
+
+def test_an_engine_waits_idle_only_while_every_request_waits_on_its_connector_here(consumer_config, tmp_path):
+    """compat.wait_between_idle_steps asks colocated.idle_wait after each step that ran no model:
+    wait (up to IDLE_WAIT_CAP_S) only when this process holds the connector's worker, to wake the
+    engine, and each request waits on the connector alone: its KV loading, or finished with its
+    load unreported. A request the engine could compute, or news not yet taken, means step."""
+    import queue
+
+    from vllm.v1.request import RequestStatus
+
+    from pdcluster import compat
+    from pdcluster.kv_transfer import colocated
+    from tests.unit.kv_fixtures import make_worker
+
+    scheduler, hasher = make_scheduler(consumer_config)
+    inputs: queue.Queue = queue.Queue()
+    awaiting = request(hasher, PROMPT[:200], lease(200, [5, 6]))
+    scheduler.add_request(awaiting)
+    step(scheduler)
+    assert awaiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert colocated.idle_wait(scheduler, inputs) is None  # no worker here to wake it
+    settings = KVTransferSettings.from_connector_config(consumer_config.kv_transfer_config.kv_connector_extra_config)
+    worker = make_worker(settings, "test-waker", producer=True)
+    try:
+        assert colocated.idle_wait(scheduler, inputs) == colocated.IDLE_WAIT_CAP_S
+        computable = request(hasher, PROMPT[:40])
+        scheduler.add_request(computable)
+        assert colocated.idle_wait(scheduler, inputs) is None
+        scheduler.finish_requests(computable.request_id, RequestStatus.FINISHED_ABORTED)
+        scheduler.finish_requests(awaiting.request_id, RequestStatus.FINISHED_ABORTED)
+        assert colocated.idle_wait(scheduler, inputs) is None  # finished ids the workers must hear of
+        step(scheduler)
+        assert awaiting.request_id in scheduler.requests  # blocks kept until its load is reported
+        assert colocated.idle_wait(scheduler, inputs) == colocated.IDLE_WAIT_CAP_S
+        # the worker wakes the waiting engine when a lease it holds ends
+        assert worker.producer is not None and inputs.empty()
+        worker.producer.leases.add("p-1", [1, 2], time.monotonic() + 30)
+        assert worker.producer.leases.release("p-1", transferred=True)
+        assert inputs.get_nowait() == compat.wakeup_item()
+    finally:
+        worker.shutdown()
+    assert colocated.idle_wait(scheduler, inputs) is None
+
+
+def test_a_wake_up_before_the_engine_first_waited_is_kept_for_it():
+    import queue
+
+    from pdcluster import compat
+    from pdcluster.kv_transfer.colocated import EngineWaker
+
+    waker, inputs = EngineWaker(), queue.Queue()
+    waker.wake()  # a pull finished before the engine ever waited
+    waker.attach(inputs)
+    assert inputs.get_nowait() == compat.wakeup_item() and inputs.empty()
+    waker.attach(inputs)  # the same queue again: nothing new
+    assert inputs.empty()
+    waker.wake()
+    assert inputs.get_nowait() == compat.wakeup_item()
