@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
 import sys
@@ -32,7 +33,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import TEXT_IDS, machine, metric_samples, stream_completion, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    TEXT_IDS,
+    machine,
+    metric_samples,
+    process_role,
+    stream_completion,
+    write_results,
+)
 from bench.first_token_path import OUTPUT_LEN, PROMPT_LEN, WARM_UP  # noqa: E402
 from bench.serve import start_setup  # noqa: E402
 
@@ -51,13 +59,58 @@ def path_counters(endpoint: str) -> dict[str, float]:
     return counts
 
 
-def request(client: httpx.Client, rng: random.Random, path: str, seed: int) -> dict:
+def prefill_phase_sum(endpoint: str) -> float:
+    """The router's summed prefill phases (router -> prefill -> router, lease included), seconds."""
+    text = httpx.get(endpoint + "/metrics", timeout=10).text
+    return sum(v for name, _, v in metric_samples(text) if name == "pdcluster_prefill_seconds_sum")
+
+
+def engine_threads(role: str) -> list[str]:
+    """The schedstat files of the engine-core threads of `role`'s vLLM engines (the model runs there)."""
+    import psutil
+
+    files = []
+    for proc in psutil.process_iter():
+        if process_role(proc).startswith(f"{role} > VLLM::EngineCore"):
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                with open(f"/proc/{proc.pid}/task/{tid}/comm") as f:
+                    if f.read().startswith("VLLM::EngineCor"):
+                        files.append(f"/proc/{proc.pid}/task/{tid}/schedstat")
+    if not files:
+        raise RuntimeError(f"no {role} engine-core thread found")
+    return files
+
+
+def thread_times(files: list[str]) -> tuple[float, float]:
+    """Seconds those threads spent on a CPU and runnable waiting for one (the kernel's schedstat)."""
+    cpu = wait = 0
+    for path in files:
+        with open(path) as f:
+            on, queued, _ = map(int, f.read().split())
+        cpu, wait = cpu + on, wait + queued
+    return cpu / 1e9, wait / 1e9
+
+
+def request(client: httpx.Client, rng: random.Random, path: str, seed: int, probe=None) -> dict:
+    """One request; with `probe` (the endpoint and the prefill's engine threads) also its router
+    prefill phase and the prefill engine thread's time on a CPU / waiting for one meanwhile."""
     prompt = [rng.randrange(TEXT_IDS.start, TEXT_IDS.stop) for _ in range(PROMPT_LEN)]
     extra = {"seed": seed} if path == "classic" else {}
+    if probe:
+        phase0, (cpu0, wait0) = prefill_phase_sum(probe[0]), thread_times(probe[1])
     timing = stream_completion(client, "tiny", prompt, OUTPUT_LEN, **extra)
     if timing.error or timing.ttft is None or not timing.itls:
         raise RuntimeError(f"{path} request failed: {timing.error}")
-    return {"ttft_ms": timing.ttft * 1e3, "gap_1_2_ms": timing.itls[0] * 1e3}
+    row = {"ttft_ms": timing.ttft * 1e3, "gap_1_2_ms": timing.itls[0] * 1e3}
+    if probe:
+        # read after the stream ended: the decode half's work is counted on decode, not here
+        cpu1, wait1 = thread_times(probe[1])
+        row |= {
+            "prefill_phase_ms": (prefill_phase_sum(probe[0]) - phase0) * 1e3,
+            "prefill_cpu_ms": (cpu1 - cpu0) * 1e3,
+            "prefill_wait_ms": (wait1 - wait0) * 1e3,
+        }
+    return row
 
 
 def measure(pairs: int, seed: int) -> dict:
@@ -69,10 +122,11 @@ def measure(pairs: int, seed: int) -> dict:
             for i in range(WARM_UP):
                 request(client, rng, PATHS[i % 2], seed=i)
             before = path_counters(endpoint)
+            probe = (endpoint, engine_threads("prefill actor"))
             for i in range(pairs):
                 order = list(PATHS)
                 rng.shuffle(order)
-                pair = {path: request(client, rng, path, seed=i) for path in order}
+                pair = {path: request(client, rng, path, seed=i, probe=probe) for path in order}
                 rows.append({**pair, "first": order[0]})
             after = path_counters(endpoint)
     counted = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
@@ -91,6 +145,37 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
         below += math.comb(n, k) / 2**n
         k += 1
     return statistics.median(d), d[min(k, n - 1)], d[max(n - 1 - k, 0)]
+
+
+def where_it_went(pairs: list[dict]) -> list[str]:
+    """The gain taken apart: what the continuation's prefill phase costs against the classic one's
+    (decode_ahead's work beside the prefill), and the handoff the classic path pays before token 1."""
+    lines = [
+        "",
+        "Where the time went, per path (medians over the pairs): the router's prefill phase (router → prefill → "
+        "router); after it, until the client's token 1; the prefill engine's thread over the whole request, on a "
+        "CPU and runnable but waiting for one (the kernel's schedstat):",
+        "",
+        "| path | prefill phase ms | prefill phase → token 1 ms | prefill engine on a CPU ms | waiting for a CPU ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for path in PATHS:
+        rows = [p[path] for p in pairs]
+        cells = [
+            statistics.median(r["prefill_phase_ms"] for r in rows),
+            statistics.median(r["ttft_ms"] - r["prefill_phase_ms"] for r in rows),
+            statistics.median(r["prefill_cpu_ms"] for r in rows),
+            statistics.median(r["prefill_wait_ms"] for r in rows),
+        ]
+        lines.append(f"| {path} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    phase = median_interval([p["continued"]["prefill_phase_ms"] - p["classic"]["prefill_phase_ms"] for p in pairs])
+    wait = median_interval([p["continued"]["prefill_wait_ms"] - p["classic"]["prefill_wait_ms"] for p in pairs])
+    lines += [
+        "",
+        f"Per pair, continued − classic: prefill phase **{phase[0]:.1f} ms** [95 % {phase[1]:.1f} to {phase[2]:.1f}]; "
+        f"the prefill engine waiting for a CPU {wait[0]:.1f} ms [{wait[1]:.1f} to {wait[2]:.1f}].",
+    ]
+    return lines
 
 
 def report(runs: list[dict]) -> str:
@@ -120,6 +205,8 @@ def report(runs: list[dict]) -> str:
     mid, low, high = median_interval(saved)
     rmid, rlow, rhigh = median_interval(ratio)
     first_won = sum(1 for p in pairs if p["continued"]["ttft_ms"] < p["classic"]["ttft_ms"])
+    if all("prefill_phase_ms" in p[path] for p in pairs for path in PATHS):
+        lines += where_it_went(pairs)
     lines += [
         "",
         f"Per pair, classic TTFT − continued TTFT: median **{mid:.1f} ms** [95 % {low:.1f} to {high:.1f}]; "
