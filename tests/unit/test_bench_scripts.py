@@ -210,3 +210,42 @@ def test_tokens_that_come_with_the_first_count_as_gaps_of_zero():
         server.shutdown()
     assert timing.ok and timing.tokens == 4
     assert len(timing.itls) == 3 and timing.itls[0] == 0.0 and all(g > 0 for g in timing.itls[1:])
+
+
+def test_the_paired_first_token_bench_takes_the_gain_apart_per_pair():
+    """first_token_paired's decomposition: per path, the prefill phase and what followed it until
+    token 1; per pair, continued - classic prefill phase with the sign test's interval."""
+    from bench.first_token_paired import median_interval, report
+
+    pairs = []
+    for i in range(20):
+        continued = {"ttft_ms": 104.0 + i, "gap_1_2_ms": 12.0, "prefill_phase_ms": 100.0 + i}
+        classic = {"ttft_ms": 118.0 + i, "gap_1_2_ms": 6.0, "prefill_phase_ms": 96.0 + i}
+        continued |= {"prefill_cpu_ms": 90.0, "prefill_wait_ms": 5.0}
+        classic |= {"prefill_cpu_ms": 90.0, "prefill_wait_ms": 2.0 + (i % 3)}
+        pairs.append({"continued": continued, "classic": classic, "first": "classic"})
+    text = report([{"pairs": pairs, "counted": {}}])
+    assert "| continued | 109.5 | 4.0 | 90.0 | 5.0 |" in text
+    assert "| classic | 105.5 | 22.0 | 90.0 | 3.0 |" in text
+    assert "prefill phase **4.0 ms** [95 % 4.0 to 4.0]" in text
+    assert "median **14.0 ms** [95 % 14.0 to 14.0]" in text
+    # the sign test's interval: of 20 values, the 7th smallest and the 7th largest
+    assert median_interval([float(v) for v in range(20)]) == (9.5, 6.0, 13.0)
+
+
+def test_an_engine_threads_schedstat_grows_while_it_runs():
+    """The paired bench reads engine threads' time from the kernel: a thread that spins gains CPU time."""
+    import threading
+    import time
+
+    from bench.first_token_paired import thread_times
+
+    path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+    if not os.path.exists(path):
+        pytest.skip("this kernel keeps no per-thread schedstat")
+    before, _ = thread_times([path])
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:
+        pass
+    after, _ = thread_times([path])
+    assert after - before >= 0.02
