@@ -91,6 +91,29 @@ def thread_times(files: list[str]) -> tuple[float, float]:
     return cpu / 1e9, wait / 1e9
 
 
+ROLE_CORES = {"prefill actor": {0}, "decode actor": {1}}  # bench/serve.py's pd setup: cpu_bind per role
+
+
+def pin_roles() -> int:
+    """Bind every thread of each role's processes (its actor, the front end, and its engine
+    core's process) to the core its engine thread is bound to, from outside, as taskset would;
+    the router stays unbound. Returns the threads bound."""
+    import psutil
+
+    bound = 0
+    for proc in psutil.process_iter():
+        role = process_role(proc).split(" > ")[0]
+        if role not in ROLE_CORES:
+            continue
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), ROLE_CORES[role])
+                bound += 1
+            except ProcessLookupError:
+                continue  # the thread ended meanwhile
+    return bound
+
+
 def request(client: httpx.Client, rng: random.Random, path: str, seed: int, probe=None) -> dict:
     """One request; with `probe` (the endpoint and the prefill's engine threads) also its router
     prefill phase and the prefill engine thread's time on a CPU / waiting for one meanwhile."""
@@ -113,14 +136,17 @@ def request(client: httpx.Client, rng: random.Random, path: str, seed: int, prob
     return row
 
 
-def measure(pairs: int, seed: int) -> dict:
-    """One fresh `pd` cluster: the pairs' timings, and the paths the router counted."""
+def measure(pairs: int, seed: int, pinned: bool = False) -> dict:
+    """One fresh `pd` cluster: the pairs' timings, and the paths the router counted; `pinned`:
+    each role's processes kept on its engine's core (pin_roles) after the warm-up."""
     rng = random.Random(seed)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="pdcluster-ftpair-") as tmp, start_setup("pd", Path(tmp)) as endpoint:
         with httpx.Client(base_url=endpoint, timeout=120) as client:
             for i in range(WARM_UP):
                 request(client, rng, PATHS[i % 2], seed=i)
+            if pinned:
+                pin_roles()
             before = path_counters(endpoint)
             probe = (endpoint, engine_threads("prefill actor"))
             for i in range(pairs):
@@ -189,7 +215,12 @@ def report(runs: list[dict]) -> str:
         f"each, {WARM_UP} unmeasured requests, then {len(runs[0]['pairs'])} pairs run back to back in a random order: "
         f"the same kind of request ({PROMPT_LEN} random token ids, {OUTPUT_LEN} output tokens, greedy) through "
         "the continuation (token 1 from the prefill, decode sent ahead) and, with a `seed`, through the classic "
-        "path (decode samples token 1 after the handoff). The router's counters confirmed every request's path.",
+        "path (decode samples token 1 after the handoff). The router's counters confirmed every request's path."
+        + (
+            " Every thread of each role's processes was bound to its engine's core after the warm-up (--pin-roles)."
+            if runs[0].get("pinned")
+            else ""
+        ),
         "",
         "| path | TTFT p50 ms | TTFT p90 ms | token 1 → 2 gap p50 ms | token 2 at p50 ms |",
         "|---|---:|---:|---:|---:|",
@@ -229,10 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2, help="fresh clusters")
+    parser.add_argument(
+        "--pin-roles",
+        action="store_true",
+        help="bind every thread of each role's processes to its engine's core (the router unbound)",
+    )
     args = parser.parse_args(argv)
     runs = []
     for repeat in range(args.repeats):
-        runs.append(measure(args.pairs, seed=repeat))
+        runs.append(measure(args.pairs, seed=repeat, pinned=args.pin_roles) | {"pinned": args.pin_roles})
         print(f"run {repeat}: {runs[-1]['counted']}", flush=True)
     print(write_results("first-token-paired", {"runs": runs, "machine": machine()}, report(runs)))
     return 0
