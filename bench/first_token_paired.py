@@ -43,6 +43,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.first_token_path import OUTPUT_LEN, PROMPT_LEN, WARM_UP  # noqa: E402
 from bench.serve import start_setup  # noqa: E402
+from bench.serve_client import thread_ns  # noqa: E402
 
 PATHS = ("continued", "classic")  # token 1 from the prefill (pd) / from decode (pd-classic's path)
 
@@ -65,49 +66,51 @@ def prefill_phase_sum(endpoint: str) -> float:
     return sum(v for name, _, v in metric_samples(text) if name == "pdcluster_prefill_seconds_sum")
 
 
-def engine_threads(role: str) -> list[str]:
-    """The schedstat files of the engine-core threads of `role`'s vLLM engines (the model runs there)."""
+def engine_threads(role: str) -> list[tuple[int, int]]:
+    """(pid, tid) of the threads of `role`'s vLLM engine-core processes that carry the process's
+    name: its main thread, the busy loop that runs the forwards (bound to the role's cores by
+    engine/single_process.py), and the helper threads it started unnamed."""
     import psutil
 
-    files = []
+    threads = []
     for proc in psutil.process_iter():
         if process_role(proc).startswith(f"{role} > VLLM::EngineCore"):
             for tid in os.listdir(f"/proc/{proc.pid}/task"):
                 with open(f"/proc/{proc.pid}/task/{tid}/comm") as f:
                     if f.read().startswith("VLLM::EngineCor"):
-                        files.append(f"/proc/{proc.pid}/task/{tid}/schedstat")
-    if not files:
+                        threads.append((proc.pid, int(tid)))
+    if not threads:
         raise RuntimeError(f"no {role} engine-core thread found")
-    return files
+    return threads
 
 
-def thread_times(files: list[str]) -> tuple[float, float]:
+def thread_times(threads: list[tuple[int, int]]) -> tuple[float, float]:
     """Seconds those threads spent on a CPU and runnable waiting for one (the kernel's schedstat)."""
-    cpu = wait = 0
-    for path in files:
-        with open(path) as f:
-            on, queued, _ = map(int, f.read().split())
-        cpu, wait = cpu + on, wait + queued
-    return cpu / 1e9, wait / 1e9
+    times = [thread_ns(tid, pid) for pid, tid in threads]
+    return sum(on for on, _ in times) / 1e9, sum(queued for _, queued in times) / 1e9
 
 
-ROLE_CORES = {"prefill actor": {0}, "decode actor": {1}}  # bench/serve.py's pd setup: cpu_bind per role
+ROLES = ("prefill actor", "decode actor")  # process_role's names of the pd setup's two roles
 
 
 def pin_roles() -> int:
     """Bind every thread of each role's processes (its actor, the front end, and its engine
-    core's process) to the core its engine thread is bound to, from outside, as taskset would;
+    core's process) to the cores its engine thread is bound to, from outside, as taskset would;
     the router stays unbound. Returns the threads bound."""
     import psutil
 
+    cores = {
+        role: set().union(*(os.sched_getaffinity(pid) for pid, tid in engine_threads(role) if tid == pid))
+        for role in ROLES
+    }
     bound = 0
     for proc in psutil.process_iter():
         role = process_role(proc).split(" > ")[0]
-        if role not in ROLE_CORES:
+        if role not in cores:
             continue
         for tid in os.listdir(f"/proc/{proc.pid}/task"):
             try:
-                os.sched_setaffinity(int(tid), ROLE_CORES[role])
+                os.sched_setaffinity(int(tid), cores[role])
                 bound += 1
             except ProcessLookupError:
                 continue  # the thread ended meanwhile
@@ -160,7 +163,7 @@ def measure(pairs: int, seed: int, pinned: bool = False) -> dict:
     wrong = {key: counted.get(key, 0.0) for key, n in expected.items() if counted.get(key, 0.0) != n}
     if wrong:
         raise RuntimeError(f"requests did not take their paths: counted {wrong}, expected {pairs} each")
-    return {"pairs": rows, "counted": counted}
+    return {"pairs": rows, "counted": counted, "pinned": pinned}
 
 
 def median_interval(values: list[float]) -> tuple[float, float, float]:
@@ -179,8 +182,8 @@ def where_it_went(pairs: list[dict]) -> list[str]:
     lines = [
         "",
         "Where the time went, per path (medians over the pairs): the router's prefill phase (router → prefill → "
-        "router); after it, until the client's token 1; the prefill engine's thread over the whole request, on a "
-        "CPU and runnable but waiting for one (the kernel's schedstat):",
+        "router); after it, until the client's token 1; the prefill engine core's threads (engine_threads) over "
+        "the whole request, on a CPU and runnable but waiting for one (the kernel's schedstat):",
         "",
         "| path | prefill phase ms | prefill phase → token 1 ms | prefill engine on a CPU ms | waiting for a CPU ms |",
         "|---|---:|---:|---:|---:|",
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = []
     for repeat in range(args.repeats):
-        runs.append(measure(args.pairs, seed=repeat, pinned=args.pin_roles) | {"pinned": args.pin_roles})
+        runs.append(measure(args.pairs, seed=repeat, pinned=args.pin_roles))
         print(f"run {repeat}: {runs[-1]['counted']}", flush=True)
     print(write_results("first-token-paired", {"runs": runs, "machine": machine()}, report(runs)))
     return 0

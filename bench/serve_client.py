@@ -39,9 +39,9 @@ LATE_S = 0.05  # a wake-up this much late is recorded
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 
-def thread_ns(tid: int) -> tuple[int, int]:
-    """(ns on a CPU, ns runnable waiting for one) of this process's thread `tid`."""
-    with open(f"/proc/self/task/{tid}/schedstat") as f:
+def thread_ns(tid: int, pid: int | str = "self") -> tuple[int, int]:
+    """(ns on a CPU, ns runnable waiting for one) of thread `tid` of process `pid` (this one's by default)."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
         on_cpu, waiting, _ = f.read().split()
     return int(on_cpu), int(waiting)
 
