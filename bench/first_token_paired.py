@@ -90,33 +90,6 @@ def thread_times(threads: list[tuple[int, int]]) -> tuple[float, float]:
     return sum(on for on, _ in times) / 1e9, sum(queued for _, queued in times) / 1e9
 
 
-ROLES = ("prefill actor", "decode actor")  # process_role's names of the pd setup's two roles
-
-
-def pin_roles() -> int:
-    """Bind every thread of each role's processes (its actor, the front end, and its engine
-    core's process) to the cores its engine thread is bound to, from outside, as taskset would;
-    the router stays unbound. Returns the threads bound."""
-    import psutil
-
-    cores = {
-        role: set().union(*(os.sched_getaffinity(pid) for pid, tid in engine_threads(role) if tid == pid))
-        for role in ROLES
-    }
-    bound = 0
-    for proc in psutil.process_iter():
-        role = process_role(proc).split(" > ")[0]
-        if role not in cores:
-            continue
-        for tid in os.listdir(f"/proc/{proc.pid}/task"):
-            try:
-                os.sched_setaffinity(int(tid), cores[role])
-                bound += 1
-            except ProcessLookupError:
-                continue  # the thread ended meanwhile
-    return bound
-
-
 def request(client: httpx.Client, rng: random.Random, path: str, seed: int, probe=None) -> dict:
     """One request; with `probe` (the endpoint and the prefill's engine threads) also its router
     prefill phase and the prefill engine thread's time on a CPU / waiting for one meanwhile."""
@@ -139,17 +112,18 @@ def request(client: httpx.Client, rng: random.Random, path: str, seed: int, prob
     return row
 
 
-def measure(pairs: int, seed: int, pinned: bool = False) -> dict:
-    """One fresh `pd` cluster: the pairs' timings, and the paths the router counted; `pinned`:
-    each role's processes kept on its engine's core (pin_roles) after the warm-up."""
+def measure(pairs: int, seed: int, bound: bool = False) -> dict:
+    """One fresh `pd` cluster: the pairs' timings, and the paths the router counted; `bound`:
+    the cluster binds every thread of each replica to its core (roles.*.cpu_bind_scope replica)."""
     rng = random.Random(seed)
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="pdcluster-ftpair-") as tmp, start_setup("pd", Path(tmp)) as endpoint:
+    with (
+        tempfile.TemporaryDirectory(prefix="pdcluster-ftpair-") as tmp,
+        start_setup("pd-bound" if bound else "pd", Path(tmp)) as endpoint,
+    ):
         with httpx.Client(base_url=endpoint, timeout=120) as client:
             for i in range(WARM_UP):
                 request(client, rng, PATHS[i % 2], seed=i)
-            if pinned:
-                pin_roles()
             before = path_counters(endpoint)
             probe = (endpoint, engine_threads("prefill actor"))
             for i in range(pairs):
@@ -163,7 +137,7 @@ def measure(pairs: int, seed: int, pinned: bool = False) -> dict:
     wrong = {key: counted.get(key, 0.0) for key, n in expected.items() if counted.get(key, 0.0) != n}
     if wrong:
         raise RuntimeError(f"requests did not take their paths: counted {wrong}, expected {pairs} each")
-    return {"pairs": rows, "counted": counted, "pinned": pinned}
+    return {"pairs": rows, "counted": counted, "bound": bound}
 
 
 def median_interval(values: list[float]) -> tuple[float, float, float]:
@@ -220,8 +194,8 @@ def report(runs: list[dict]) -> str:
         "the continuation (token 1 from the prefill, decode sent ahead) and, with a `seed`, through the classic "
         "path (decode samples token 1 after the handoff). The router's counters confirmed every request's path."
         + (
-            " Every thread of each role's processes was bound to its engine's core after the warm-up (--pin-roles)."
-            if runs[0].get("pinned")
+            " Every thread of each replica ran on its engine's core (roles.*.cpu_bind_scope replica, --bound)."
+            if runs[0].get("bound")
             else ""
         ),
         "",
@@ -264,14 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2, help="fresh clusters")
     parser.add_argument(
-        "--pin-roles",
-        action="store_true",
-        help="bind every thread of each role's processes to its engine's core (the router unbound)",
+        "--bound", action="store_true", help="clusters with roles.*.cpu_bind_scope replica (bench/serve.py's pd-bound)"
     )
     args = parser.parse_args(argv)
     runs = []
     for repeat in range(args.repeats):
-        runs.append(measure(args.pairs, seed=repeat, pinned=args.pin_roles))
+        runs.append(measure(args.pairs, seed=repeat, bound=args.bound))
         print(f"run {repeat}: {runs[-1]['counted']}", flush=True)
     print(write_results("first-token-paired", {"runs": runs, "machine": machine()}, report(runs)))
     return 0

@@ -78,23 +78,27 @@ def pdcluster_setup(
     policy: str | None = None,
     router: dict | None = None,
     kv_transfer: dict | None = None,
+    cpu_bind_scope: str = "engine",
 ) -> Iterator[str]:
     roles = {
         "prefill": {
             "replicas": 1 if mode == "disaggregated" else 0,
             "cpu_bind": ["0"],
+            "cpu_bind_scope": cpu_bind_scope,
             "kv_cache_gib": KV_GIB,
             "engine_args": ENGINE_ARGS,
         },
         "decode": {
             "replicas": 1 if mode == "disaggregated" else 0,
             "cpu_bind": ["1"],
+            "cpu_bind_scope": cpu_bind_scope,
             "kv_cache_gib": KV_GIB,
             "engine_args": ENGINE_ARGS,
         },
         "aggregated": {
             "replicas": 2 if mode == "aggregated" else 0,
             "cpu_bind": ["0", "1"],
+            "cpu_bind_scope": cpu_bind_scope,
             "kv_cache_gib": KV_GIB,
             "engine_args": ENGINE_ARGS,
         },
@@ -433,7 +437,10 @@ SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # every prompt, however short and however long prefill's queue, takes the prefill hop; runs 1-11's
 # `pd`, whose short prompts queued behind long ones on prefill).
 # pd-asked: pd with kv_transfer.one_sided_reads off (every pull asks the producer first).
-DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-asked")
+# pd-bound, pd-classic-bound: pd and pd-classic with roles.*.cpu_bind_scope replica (every
+# thread of each replica on its core: decode's front end on decode's core, not the prefill's).
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-asked", "pd-bound", "pd-classic-bound")
+BOUND = "-bound"
 # `pd` and `pd-classic` run the default cluster's router settings (configs/local-cpu.yaml),
 # conditional disaggregation included: for short prompts (runs 10-11 called that `pd-local`) and
 # by prefill's queue (run 15 called that `pd-queue`).
@@ -449,6 +456,8 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
     the context lasts."""
     if setup == "vllm-pd":
         return vllm_pd_setup(workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache)
+    name, setup = setup, setup.removesuffix(BOUND)
+    scope = "replica" if name.endswith(BOUND) else "engine"
     mode = "aggregated" if setup == "aggregated" else "disaggregated"
     policy = "least_loaded" if setup == "pd-least-loaded" else None
     router = {
@@ -456,7 +465,7 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
         **{key: 0 if setup == "pd-remote" else value for key, value in LOCAL_PREFILL.items()},
     }
     kv = {"one_sided_reads": False} if setup == "pd-asked" else None
-    return pdcluster_setup(f"bench-{setup}", mode, workdir, setup != "pd-classic", policy, router, kv)
+    return pdcluster_setup(f"bench-{name}", mode, workdir, setup != "pd-classic", policy, router, kv, scope)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,14 @@ class RoleSection(_Model):
         description="CPU only: cores each replica's engine threads bind to "
         "(VLLM_CPU_OMP_THREADS_BIND), one entry per replica, cycled; e.g. ['0', '1'] or ['0-3'].",
     )
+    cpu_bind_scope: Literal["engine", "replica"] = Field(
+        "engine",
+        description="CPU, with cpu_bind: what runs on a replica's cores. engine: the threads that "
+        "run its forwards. replica: every thread of every process of the replica (its actor: "
+        "vLLM's front end and HTTP app; its engine core and workers), so its work outside the "
+        "forwards (e.g. a decode request admitted ahead of its prefill) cannot take another "
+        "role's core, and shares the replica's own instead. The router stays unbound.",
+    )
     kv_cache_gib: int | None = Field(
         None, ge=1, description="CPU only: KV cache size per engine, whole GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
@@ -176,6 +184,12 @@ class RoleSection(_Model):
             if not all(p.strip().isdigit() for p in parts):
                 raise ValueError(f"'{entry}' is not a core list like '0', '0-3' or '0,2'")
         return [str(v) for v in value]
+
+    @model_validator(mode="after")
+    def _scope_has_cores(self) -> RoleSection:
+        if self.cpu_bind_scope == "replica" and not self.cpu_bind:
+            raise ValueError("cpu_bind_scope: 'replica' needs cpu_bind (the cores each replica is bound to)")
+        return self
 
     def bind_for(self, index: int) -> str | None:
         return self.cpu_bind[index % len(self.cpu_bind)] if self.cpu_bind else None

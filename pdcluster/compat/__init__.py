@@ -24,7 +24,8 @@ The reaches, by module:
                  EngineCoreProc.input_queue / _handle_client_request, EngineCoreRequestType.WAKEUP,
                  the Scheduler's request sets, RequestStatus): vllm_plugin.py, kv_transfer/colocated.py
   vllm_engine    cpu_worker_base, parse_cpu_list, executor_choice, run_model_in_engine_core
-                 (CPUWorker.init_device, parse_id_list, ParallelConfig): engine/single_process.py;
+                 (CPUWorker.init_device, parse_id_list, ParallelConfig): engine/single_process.py,
+                 engine/cpu_bind.py;
                  truncate_prompt, extend_prompt (Request._all_token_ids ...), blocks_and_local_hit
                  (KVCacheBlocks.blocks, KVCacheBlock.block_hash): kv_transfer/scheduler.py;
                  stat_logger_base (StatLoggerBase.record, SchedulerStats): engine/stats.py

@@ -28,6 +28,7 @@ from pdcluster.engine.kv_events import EVENTS_PATH, KVEventRelay
 from pdcluster.engine.lifetime import mark_host
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.engine.stats import EngineStatsRecorder
+from pdcluster.errors import ConfigError
 from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineHost:
         self.async_scheduling_reason = ""
         self.single_process: bool | None = None
         self.single_process_reason = ""
+        self.replica_cores: list[int] | None = None  # cpu_bind_scope replica: the whole process's cores
         self._server = None
         self._serve_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
@@ -95,6 +97,7 @@ class EngineHost:
         compat.require_tested_vllm()
         request_amx_permission()
         mark_host()  # the engine's processes, spawned below, die with this one (lifetime.py)
+        self._bind_replica()  # before any thread or process of the engine starts
         self._ipc_dir = private_ipc_dir()
         if self.spec.role == "decode":
             # Why a KV pull failed reaches this process's answers (kv_errors.py); the engine's
@@ -192,12 +195,30 @@ class EngineHost:
                 self.async_scheduling_reason,
             )
 
+    def _bind_replica(self) -> None:
+        """cpu_bind_scope `replica`: this process's every thread, and so every thread and process
+        the engine starts, on the engine's cores (cpu_bind.py)."""
+        if self.spec.cpu_bind_scope != "replica":
+            return
+        from pdcluster.engine.cpu_bind import bind_this_process, explicit_cores
+
+        cores = explicit_cores(self.spec.cpu_threads_bind)
+        if cores is None:
+            raise ConfigError(
+                f"engine {self.spec.engine_id}: cpu_bind_scope replica needs one explicit core list "
+                f"(cpu_bind), not {self.spec.cpu_threads_bind!r}"
+            )
+        threads = bind_this_process(cores)
+        self.replica_cores = cores
+        logger.info("engine %s: the replica's %d threads bound to cores %s", self.spec.engine_id, threads, cores)
+
     def _place_model(self, vllm_config) -> None:
         """CPU engines run their model in the engine-core process where they can (single_process.py)."""
         if not self.spec.single_process or not compat.platform_device()[1]:
             self.single_process = False
             return
-        from pdcluster.engine.single_process import explicit_cores, use_single_process
+        from pdcluster.engine.cpu_bind import explicit_cores
+        from pdcluster.engine.single_process import use_single_process
 
         reason = use_single_process(vllm_config, explicit_cores(self.spec.cpu_threads_bind))
         self.single_process = reason is None
@@ -217,6 +238,7 @@ class EngineHost:
             "async_scheduling_reason": self.async_scheduling_reason,
             "single_process": self.single_process,
             "single_process_reason": self.single_process_reason,
+            "replica_cores": self.replica_cores,
             "speculative": self.spec.speculative,
             "stats": snap,
         }

@@ -26,23 +26,12 @@ import os
 from typing import Any
 
 from pdcluster import compat
+from pdcluster.engine.cpu_bind import bind_this_thread, explicit_cores
 
 logger = logging.getLogger(__name__)
 
 WORKER_CLS = f"{__name__}.SingleProcessCPUWorker"
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def explicit_cores(mask: str | None) -> list[int] | None:
-    """The cores of a VLLM_CPU_OMP_THREADS_BIND value naming one core list ('1', '0-3', '0,2'),
-    read by vLLM's own parser for that variable; None for vLLM's 'auto' / 'nobind', an empty or
-    unreadable value, or one list per rank ('0-1|2-3')."""
-    if not mask or mask in ("auto", "nobind") or "|" in mask:
-        return None
-    try:
-        return compat.parse_cpu_list(mask) or None
-    except ValueError:
-        return None
 
 
 def use_single_process(vllm_config: Any, cores: list[int] | None) -> str | None:
@@ -60,14 +49,6 @@ def use_single_process(vllm_config: Any, cores: list[int] | None) -> str | None:
         return f"worker class {worker_cls!r} chosen explicitly"
     compat.run_model_in_engine_core(vllm_config, WORKER_CLS)
     return None
-
-
-def bind_this_thread(cores: list[int]) -> None:
-    """Bind the calling thread to `cores` and give torch (OpenMP) one thread per core."""
-    import torch
-
-    os.sched_setaffinity(0, cores)  # pid 0: the calling thread
-    torch.set_num_threads(len(cores))
 
 
 class SingleProcessCPUWorker(compat.cpu_worker_base()):

@@ -38,6 +38,7 @@ class EngineSpec:
     http_port: int = 0
     http_advertise_host: str | None = None  # set when http_host is a wildcard
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-1"
+    cpu_bind_scope: str = "engine"  # replica: every thread of the engine's processes (cpu_bind.py)
     kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
     onednn_cache: int | None = None  # ONEDNN_PRIMITIVE_CACHE_CAPACITY (None: oneDNN's default)
     worker_spin_ms: float | None = None  # step-queue busy-wait (vllm_plugin; None: vLLM's 1 s)

@@ -126,6 +126,7 @@ def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: s
         kv_extra=kv_extra,
         http_host=kv.bind_host,
         cpu_threads_bind=section.bind_for(index),
+        cpu_bind_scope=section.cpu_bind_scope,
         kv_cache_gib=section.kv_cache_gib,
         onednn_cache=section.onednn_cache,
         worker_spin_ms=section.worker_spin_ms,

@@ -34,6 +34,7 @@ def replica_row(replica, latency: dict[str, Any], inflight: dict[str, int], kv_b
         "async_scheduling_reason": info.get("async_scheduling_reason", ""),
         "single_process": info.get("single_process"),
         "single_process_reason": info.get("single_process_reason", ""),
+        "replica_cores": info.get("replica_cores"),
         "kv_backend": kv_backend if replica.role != "aggregated" else None,
         # decode: the backend used with each prefill engine it pulled from
         "kv_backends": stats.get("kv_backends") or {},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import secrets
 import socket
 import tempfile
@@ -29,7 +30,14 @@ from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.colocated import IDLE_WAIT_CAP_S
 from pdcluster.kv_transfer.params import KVParams
-from tests.support.engines import MAX_MODEL_LEN, assert_engine_key_required, run_engines, tiny_engine, vllm_processes
+from tests.support.engines import (
+    MAX_MODEL_LEN,
+    assert_engine_key_required,
+    run_engines,
+    thread_cores,
+    tiny_engine,
+    vllm_processes,
+)
 from tests.support.handoff import NAME, complete, greedy, handoff, info, through_router, wait_for
 from tests.support.identity import Greedy, assert_same_greedy, compare
 from tests.support.prompts import token_prompt
@@ -41,7 +49,18 @@ LEASE_S = 10
 DTYPE = "float32"
 
 
-def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, single_process=True, **engine_args):
+def spec(
+    engine_id,
+    role,
+    bind,
+    secret_file,
+    *,
+    policy="recompute",
+    kv=None,
+    single_process=True,
+    scope="engine",
+    **engine_args,
+):
     return tiny_engine(
         engine_id,
         role,
@@ -51,6 +70,7 @@ def spec(engine_id, role, bind, secret_file, *, policy="recompute", kv=None, sin
         engine_args={"max_num_seqs": 16, **engine_args},
         cpu_threads_bind=bind,
         single_process=single_process,
+        cpu_bind_scope=scope,
     )
 
 
@@ -68,7 +88,8 @@ def engines(tmp_path_factory, reference_engine):
             secret,
             kv={"lease_seconds": LEASE_S, "backend": "auto", "bind_host": "0.0.0.0", "advertise_host": "127.0.0.1"},
         ),
-        spec("decode", "decode", "1", secret),
+        # every thread of it on core 1 (cpu_bind_scope replica); the others bind their engine thread
+        spec("decode", "decode", "1", secret, scope="replica"),
         # vLLM's own CPU layout (a worker process holds the model); the others run single-process
         spec("decode-shm", "decode", "1", secret, kv={"backend": "auto"}, single_process=False),
         spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
@@ -319,6 +340,18 @@ def test_engines_run_their_model_in_the_engine_core_unless_told_otherwise(engine
     assert processes == {"VLLM::EngineCore": [0]}, processes
     processes = vllm_processes(engines["decode-shm"].process.pid)
     assert "VLLM::EngineCore" in processes and any(t.startswith("VLLM::Worker") for t in processes), processes
+
+
+def test_a_replica_bound_engine_runs_every_thread_on_its_core(engines):
+    """cpu_bind_scope replica (engine/cpu_bind.py): every thread of the decode engine's process
+    (vLLM's front end, the HTTP app, the KV error inbox) and of the engine core it started runs
+    on core 1 alone, after serving the module's requests; `agg` (scope engine) binds its engine
+    core, while its front end may run on any core."""
+    assert thread_cores(engines["decode"].process.pid) == {(1,)}
+    assert info(engines["decode"])["replica_cores"] == [1]
+    assert info(engines["agg"])["replica_cores"] is None
+    if len(os.sched_getaffinity(0)) > 1:
+        assert len(thread_cores(engines["agg"].process.pid)) > 1
 
 
 # The faster backends: the same identity checks on a few lengths (grpc covers the full matrix).

@@ -216,3 +216,16 @@ def vllm_processes(pid: int) -> dict[str, list[int]]:
         if child.name().startswith("VLLM::"):
             found[child.name()] = child.cpu_affinity()
     return found
+
+
+def thread_cores(pid: int) -> set[tuple[int, ...]]:
+    """The core sets the threads of process `pid` and of every process below it may run on."""
+    found = set()
+    root = psutil.Process(pid)
+    for proc in (root, *root.children(recursive=True)):
+        for thread in proc.threads():
+            try:
+                found.add(tuple(sorted(os.sched_getaffinity(thread.id))))
+            except ProcessLookupError:
+                continue  # the thread ended meanwhile
+    return found

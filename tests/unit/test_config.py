@@ -51,6 +51,11 @@ def test_shipped_configs_are_valid(name):
         ({**BASE, "kv_transfer": {"secret": "a", "secret_file": "b"}}, "kv_transfer: set either secret or secret_file"),
         ({**BASE, "roles": {"decode": {"cpu_bind": ["one"]}}}, "roles.decode.cpu_bind: 'one' is not a core list"),
         ({**BASE, "roles": {"prefill": {"onednn_cache": -1}}}, "roles.prefill.onednn_cache: must be ≥ 0"),
+        (
+            {**BASE, "roles": {"decode": {"cpu_bind_scope": "replica"}}},
+            "roles.decode.cpu_bind_scope: 'replica' needs cpu_bind (the cores each replica is bound to)",
+        ),
+        ({**BASE, "roles": {"decode": {"cpu_bind_scope": "node"}}}, "roles.decode.cpu_bind_scope: Input should be"),
         ({"mode": "aggregated"}, "model: required"),
         (
             {**BASE, "roles": {"decode": {"placement": {"labels": {"pool": "in(a,b)"}}}}},
@@ -136,6 +141,7 @@ def test_engine_specs_follow_the_config():
     assert prefill.env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
     assert prefill.env()["PDCLUSTER_WORKER_SPIN_MS"] == "5"
     assert prefill.single_process and decode.single_process  # roles.*.single_process (default on)
+    assert prefill.cpu_bind_scope == decode.cpu_bind_scope == "engine"  # roles.*.cpu_bind_scope
 
 
 def test_mtp_needs_a_model_with_mtp_layers(tmp_path):

@@ -3,13 +3,15 @@ decided on real vLLM configs of the shipped tiny model."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from pdcluster.engine.single_process import WORKER_CLS, explicit_cores, use_single_process
+from pdcluster.engine.cpu_bind import explicit_cores
+from pdcluster.engine.single_process import WORKER_CLS, use_single_process
 from tests.support.engines import MODEL
 
 
@@ -60,10 +62,51 @@ def test_other_engines_keep_their_worker_process(engine_args, cores, reason):
 def test_engine_thread_binding():
     """The binding applies to the calling thread (run in a child: it must not pin pytest)."""
     code = (
-        "import os, torch; from pdcluster.engine.single_process import bind_this_thread; "
+        "import os, torch; from pdcluster.engine.cpu_bind import bind_this_thread; "
         "bind_this_thread([0]); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=os.environ
     )
     assert out.stdout.split("\n")[-2] == "[0] 1"
+
+
+BOUND_PROCESS = """
+import json, os, subprocess, sys, threading
+from pdcluster.engine.cpu_bind import bind_this_process
+go, done, seen = threading.Event(), threading.Event(), {}
+def later():
+    seen["later"] = sorted(os.sched_getaffinity(0))
+def early():  # running before the binding; starts a thread after it
+    go.wait()
+    seen["early"] = sorted(os.sched_getaffinity(0))
+    thread = threading.Thread(target=later)
+    thread.start()
+    thread.join()
+    done.set()
+threading.Thread(target=early).start()
+before = sorted(os.sched_getaffinity(0))
+seen["bound"] = bind_this_process([0])
+go.set()
+done.wait()
+child = "import os; print(sorted(os.sched_getaffinity(0)))"
+seen["child"] = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+seen["threads"] = sorted({str(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+print(json.dumps({"before": before, **seen}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding to core 0 changes nothing on one core")
+def test_a_bound_process_keeps_every_thread_and_child_on_its_cores():
+    """cpu_bind_scope replica (engine/cpu_bind.py): threads running before the binding, threads
+    they start after it and processes started after it all run on the bound core only (run in a
+    child: it must not pin pytest)."""
+    out = subprocess.run(
+        [sys.executable, "-c", BOUND_PROCESS], capture_output=True, text=True, timeout=120, check=True, env=os.environ
+    )
+    seen = json.loads(out.stdout)
+    assert len(seen["before"]) >= 2  # the binding narrows something
+    assert seen["bound"] >= 2  # the main thread and the early one
+    assert seen["early"] == seen["later"] == [0]
+    assert seen["child"].strip() == "[0]"
+    assert seen["threads"] == ["[0]"]
