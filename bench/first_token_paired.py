@@ -112,14 +112,14 @@ def request(client: httpx.Client, rng: random.Random, path: str, seed: int, prob
     return row
 
 
-def measure(pairs: int, seed: int, bound: bool = False) -> dict:
-    """One fresh `pd` cluster: the pairs' timings, and the paths the router counted; `bound`:
-    the cluster binds every thread of each replica to its core (roles.*.cpu_bind_scope replica)."""
+def measure(pairs: int, seed: int, unbound: bool = False) -> dict:
+    """One fresh `pd` cluster: the pairs' timings, and the paths the router counted; `unbound`:
+    the cluster binds only its engines' forward threads (roles.*.cpu_bind_scope engine)."""
     rng = random.Random(seed)
     rows: list[dict] = []
     with (
         tempfile.TemporaryDirectory(prefix="pdcluster-ftpair-") as tmp,
-        start_setup("pd-bound" if bound else "pd", Path(tmp)) as endpoint,
+        start_setup("pd-unbound" if unbound else "pd", Path(tmp)) as endpoint,
     ):
         with httpx.Client(base_url=endpoint, timeout=120) as client:
             for i in range(WARM_UP):
@@ -137,7 +137,7 @@ def measure(pairs: int, seed: int, bound: bool = False) -> dict:
     wrong = {key: counted.get(key, 0.0) for key, n in expected.items() if counted.get(key, 0.0) != n}
     if wrong:
         raise RuntimeError(f"requests did not take their paths: counted {wrong}, expected {pairs} each")
-    return {"pairs": rows, "counted": counted, "bound": bound}
+    return {"pairs": rows, "counted": counted, "unbound": unbound}
 
 
 def median_interval(values: list[float]) -> tuple[float, float, float]:
@@ -194,8 +194,8 @@ def report(runs: list[dict]) -> str:
         "the continuation (token 1 from the prefill, decode sent ahead) and, with a `seed`, through the classic "
         "path (decode samples token 1 after the handoff). The router's counters confirmed every request's path."
         + (
-            " Every thread of each replica ran on its engine's core (roles.*.cpu_bind_scope replica, --bound)."
-            if runs[0].get("bound")
+            " Only the engines' forward threads were bound (roles.*.cpu_bind_scope engine, --unbound)."
+            if runs[0].get("unbound")
             else ""
         ),
         "",
@@ -238,12 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2, help="fresh clusters")
     parser.add_argument(
-        "--bound", action="store_true", help="clusters with roles.*.cpu_bind_scope replica (bench/serve.py's pd-bound)"
+        "--unbound",
+        action="store_true",
+        help="clusters with roles.*.cpu_bind_scope engine (bench/serve.py's pd-unbound)",
     )
     args = parser.parse_args(argv)
     runs = []
     for repeat in range(args.repeats):
-        runs.append(measure(args.pairs, seed=repeat, bound=args.bound))
+        runs.append(measure(args.pairs, seed=repeat, unbound=args.unbound))
         print(f"run {repeat}: {runs[-1]['counted']}", flush=True)
     print(write_results("first-token-paired", {"runs": runs, "machine": machine()}, report(runs)))
     return 0

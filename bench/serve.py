@@ -13,7 +13,9 @@ Setups, started in turn on the same 2 cores with the same model and engine setti
               handoff (bench/vllm_pd_proxy.py)
   pd-classic  `pd` with first_token_from_prefill off: decode samples the first token (diagnostic)
 pdcluster's engines run their model in the engine-core process (roles.*.single_process, the
-default); `vllm serve` keeps vLLM's CPU layout (a worker process per engine).
+default), and each replica's every thread, vLLM's front end included, runs on its core
+(roles.*.cpu_bind_scope replica, as the default cluster since run 30); `vllm serve` keeps vLLM's
+CPU layout (a worker process per engine).
 
 The vllm-pd baseline is stock vLLM (pdcluster's plugin not loaded, stock knobs only); what that
 means on CPU and the two things it still needs from us to run at all (the CPU wheel's CLI
@@ -78,8 +80,9 @@ def pdcluster_setup(
     policy: str | None = None,
     router: dict | None = None,
     kv_transfer: dict | None = None,
-    cpu_bind_scope: str = "engine",
+    cpu_bind_scope: str | None = None,
 ) -> Iterator[str]:
+    cpu_bind_scope = cpu_bind_scope or SCOPE
     roles = {
         "prefill": {
             "replicas": 1 if mode == "disaggregated" else 0,
@@ -437,13 +440,16 @@ SETUPS = ("pd", "aggregated", "vllm-pd", "pd-classic")
 # every prompt, however short and however long prefill's queue, takes the prefill hop; runs 1-11's
 # `pd`, whose short prompts queued behind long ones on prefill).
 # pd-asked: pd with kv_transfer.one_sided_reads off (every pull asks the producer first).
-# pd-bound, pd-classic-bound: pd and pd-classic with roles.*.cpu_bind_scope replica (every
-# thread of each replica on its core: decode's front end on decode's core, not the prefill's).
-DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-asked", "pd-bound", "pd-classic-bound")
-BOUND = "-bound"
+# pd-unbound, pd-classic-unbound: pd and pd-classic with roles.*.cpu_bind_scope engine (only the
+# threads running the forwards bound; decode's front end may run on the prefill's core). Runs
+# 29-30 called today's pd and pd-classic `pd-bound` and `pd-classic-bound`.
+DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-asked", "pd-unbound", "pd-classic-unbound")
+UNBOUND = "-unbound"
 # `pd` and `pd-classic` run the default cluster's router settings (configs/local-cpu.yaml),
 # conditional disaggregation included: for short prompts (runs 10-11 called that `pd-local`) and
 # by prefill's queue (run 15 called that `pd-queue`).
+# and its engines' binding (roles.*.cpu_bind_scope: replica since run 30).
+SCOPE = shipped_config()["roles"]["decode"].get("cpu_bind_scope", "engine")
 LOCAL_PREFILL = {
     key: value
     for key, value in shipped_config()["router"].items()
@@ -456,8 +462,8 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
     the context lasts."""
     if setup == "vllm-pd":
         return vllm_pd_setup(workdir, ENGINE_ARGS, MAX_MODEL_LEN, KV_GIB, RoleSection().onednn_cache)
-    name, setup = setup, setup.removesuffix(BOUND)
-    scope = "replica" if name.endswith(BOUND) else "engine"
+    name, setup = setup, setup.removesuffix(UNBOUND)
+    scope = "engine" if name.endswith(UNBOUND) else SCOPE
     mode = "aggregated" if setup == "aggregated" else "disaggregated"
     policy = "least_loaded" if setup == "pd-least-loaded" else None
     router = {

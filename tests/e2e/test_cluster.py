@@ -259,6 +259,8 @@ def test_status_json_reflects_cluster(cluster):
     assert decode["async_scheduling"] is False and "cpu" in decode["async_scheduling_reason"]
     # local-cpu.yaml binds each engine to a core: models run in their engine-core processes
     assert all(r["single_process"] is True and r["single_process_reason"] == "" for r in status["replicas"])
+    # and binds every thread of each replica to that core (roles.*.cpu_bind_scope replica)
+    assert {r["role"]: r["replica_cores"] for r in status["replicas"]} == {"prefill": [0], "decode": [1]}
     stats = decode["stats"]
     assert stats["spec_draft_tokens"] > 0 and 0 < stats["spec_acceptance_rate"] <= 1
     assert stats["spec_mean_accepted_length"] >= 1

@@ -141,7 +141,7 @@ def test_engine_specs_follow_the_config():
     assert prefill.env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
     assert prefill.env()["PDCLUSTER_WORKER_SPIN_MS"] == "5"
     assert prefill.single_process and decode.single_process  # roles.*.single_process (default on)
-    assert prefill.cpu_bind_scope == decode.cpu_bind_scope == "engine"  # roles.*.cpu_bind_scope
+    assert prefill.cpu_bind_scope == decode.cpu_bind_scope == "replica"  # roles.*.cpu_bind_scope
 
 
 def test_mtp_needs_a_model_with_mtp_layers(tmp_path):
