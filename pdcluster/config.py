@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdcluster.errors import ConfigError
+from pdcluster.errors import ConfigError, format_errors
 from pdcluster.kv_transfer.settings import KVTransferSettings
 
 RoleName = Literal["prefill", "decode", "aggregated"]
@@ -392,41 +392,6 @@ class ClusterConfig(_Model):
 
     def role(self, name: RoleName) -> RoleSection:
         return getattr(self.roles, name)
-
-
-_KEY_PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*: ")
-
-
-def _format_error(err: dict[str, Any]) -> str:
-    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
-    ctx = err.get("ctx") or {}
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        message = "unknown key"
-    elif kind == "missing":
-        message = "required"
-    elif kind == "greater_than_equal":
-        message = f"must be ≥ {ctx['ge']}"
-    elif kind == "greater_than":
-        message = f"must be > {ctx['gt']}"
-    elif kind == "less_than_equal":
-        message = f"must be ≤ {ctx['le']}"
-    elif kind == "value_error":
-        message = str(ctx.get("error", err["msg"]))
-        # A model-level rule names the key it is about ("port_range: ..."): extend the path.
-        if _KEY_PREFIX.match(message):
-            return f"{loc}.{message}" if loc else message
-    else:
-        message = err["msg"].rstrip(".")
-        secret = any("secret" in str(part) or "api_keys" in str(part) for part in err["loc"])
-        if "input" in err and kind not in ("literal_error",) and not secret:  # never echo a credential
-            message += f" (got {err['input']!r})"
-    return f"{loc}: {message}" if loc else message
-
-
-def format_errors(exc: ValidationError) -> list[str]:
-    """A pydantic error as lines naming the YAML path of each offending key."""
-    return [_format_error(e) for e in exc.errors(include_url=False)]
 
 
 def validate_config(data: Any, source: str = "config") -> ClusterConfig:

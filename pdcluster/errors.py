@@ -3,9 +3,17 @@
 Layers raise the most specific class; callers at a boundary (router, CLI, connector worker) turn
 them into what their client understands: an OpenAI-style JSON error with `http_status`, a
 one-line CLI message with exit code 2, or a failed KV load handled by the configured policy.
+`format_errors` words a pydantic validation error as ConfigError lines naming each key's YAML
+path (the cluster YAML, config.py; the connector's settings, kv_transfer/settings.py).
 """
 
 from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class PDClusterError(Exception):
@@ -75,3 +83,38 @@ class ReplicaError(PDClusterError):
 
     http_status = 502
     error_type = "upstream_error"
+
+
+_KEY_PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*: ")
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+    ctx = err.get("ctx") or {}
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        message = "unknown key"
+    elif kind == "missing":
+        message = "required"
+    elif kind == "greater_than_equal":
+        message = f"must be ≥ {ctx['ge']}"
+    elif kind == "greater_than":
+        message = f"must be > {ctx['gt']}"
+    elif kind == "less_than_equal":
+        message = f"must be ≤ {ctx['le']}"
+    elif kind == "value_error":
+        message = str(ctx.get("error", err["msg"]))
+        # A model-level rule names the key it is about ("port_range: ..."): extend the path.
+        if _KEY_PREFIX.match(message):
+            return f"{loc}.{message}" if loc else message
+    else:
+        message = err["msg"].rstrip(".")
+        secret = any("secret" in str(part) or "api_keys" in str(part) for part in err["loc"])
+        if "input" in err and kind not in ("literal_error",) and not secret:  # never echo a credential
+            message += f" (got {err['input']!r})"
+    return f"{loc}: {message}" if loc else message
+
+
+def format_errors(exc: ValidationError) -> list[str]:
+    """A pydantic error as lines naming the YAML path of each offending key."""
+    return [_format_error(e) for e in exc.errors(include_url=False)]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from pdcluster.errors import ConfigError
+from pdcluster.errors import ConfigError, format_errors
 
 Backend = Literal["auto", "grpc", "shm", "collective", "mooncake"]
 EPHEMERAL_PORTS = (0, 0)
@@ -184,8 +184,6 @@ class KVTransferSettings(_Section):
         try:
             settings = cls.model_validate(extra)
         except ValidationError as exc:
-            from pdcluster.config import format_errors
-
             raise ConfigError("kv_connector_extra_config: " + "; ".join(format_errors(exc))) from None
         value = settings.resolve_secret(Path("/"))
         return settings.model_copy(update={"secret": SecretStr(value or ""), "secret_file": None})
