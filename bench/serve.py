@@ -80,9 +80,9 @@ def pdcluster_setup(
     policy: str | None = None,
     router: dict | None = None,
     kv_transfer: dict | None = None,
-    cpu_bind_scope: str | None = None,
+    *,
+    cpu_bind_scope: str,
 ) -> Iterator[str]:
-    cpu_bind_scope = cpu_bind_scope or SCOPE
     roles = {
         "prefill": {
             "replicas": 1 if mode == "disaggregated" else 0,
@@ -447,12 +447,13 @@ DIAGNOSTIC_SETUPS = ("pd-least-loaded", "pd-behind", "pd-remote", "pd-asked", "p
 UNBOUND = "-unbound"
 # `pd` and `pd-classic` run the default cluster's router settings (configs/local-cpu.yaml),
 # conditional disaggregation included: for short prompts (runs 10-11 called that `pd-local`) and
-# by prefill's queue (run 15 called that `pd-queue`).
-# and its engines' binding (roles.*.cpu_bind_scope: replica since run 30).
-SCOPE = shipped_config()["roles"]["decode"].get("cpu_bind_scope", "engine")
+# by prefill's queue (run 15 called that `pd-queue`); and its engines' binding
+# (roles.*.cpu_bind_scope: replica since run 30).
+SHIPPED = shipped_config()
+SCOPE = SHIPPED["roles"]["decode"].get("cpu_bind_scope", "engine")
 LOCAL_PREFILL = {
     key: value
-    for key, value in shipped_config()["router"].items()
+    for key, value in SHIPPED["router"].items()
     if key in ("local_prefill_max_tokens", "local_prefill_queue_tokens")
 }
 
@@ -471,7 +472,9 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
         **{key: 0 if setup == "pd-remote" else value for key, value in LOCAL_PREFILL.items()},
     }
     kv = {"one_sided_reads": False} if setup == "pd-asked" else None
-    return pdcluster_setup(f"bench-{name}", mode, workdir, setup != "pd-classic", policy, router, kv, scope)
+    return pdcluster_setup(
+        f"bench-{name}", mode, workdir, setup != "pd-classic", policy, router, kv, cpu_bind_scope=scope
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
