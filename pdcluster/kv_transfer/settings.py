@@ -91,6 +91,14 @@ class MooncakeSettings(_Section):
     device_name: str = Field(
         "", description="rdma: the NIC(s) to use, e.g. 'mlx5_0' (empty: Mooncake picks by topology)."
     )
+    staging_chunk_bytes: int = Field(
+        32 << 20,
+        ge=4096,
+        le=MAX_CHUNK_LIMIT,
+        description="Staged reads (a device cache, or layers that are not contiguous rows): the "
+        "largest chunk gathered into one registered host slot, read with one descriptor (the "
+        "producer keeps two slots per concurrent pull, the consumer one landing buffer).",
+    )
 
 
 class KVTransferSettings(_Section):

@@ -119,7 +119,7 @@ class ConnectorWorker:
         )
         self.cache.back_with_huge_pages()
         self.ctx = DeviceContext(self.cache.device)
-        self.offers = offered_backends(self.settings.backend, self.cache.device.type, self.settings.bind_host)
+        self.offers = offered_backends(self.settings.backend, self.settings.bind_host)
         logger.info(
             "KV cache registered: %d layers, %d blocks, %d bytes/block, device %s",
             len(self.cache.layer_names),

@@ -73,7 +73,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "layout", "error", "node_id", "device_kind", "offers", "shm_socket", "mooncake_session", "mooncake_layer_addresses")
+    __slots__ = ("protocol_version", "engine_id", "layout", "error", "node_id", "device_kind", "offers", "shm_socket", "mooncake_session", "mooncake_layer_addresses", "mooncake_staging")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class HandshakeResponse(_message.Message):
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_STAGING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     layout: KVLayout
@@ -94,7 +95,8 @@ class HandshakeResponse(_message.Message):
     shm_socket: str
     mooncake_session: str
     mooncake_layer_addresses: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., error: _Optional[str] = ..., node_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., offers: _Optional[_Iterable[str]] = ..., shm_socket: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., mooncake_layer_addresses: _Optional[_Iterable[int]] = ...) -> None: ...
+    mooncake_staging: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., error: _Optional[str] = ..., node_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., offers: _Optional[_Iterable[str]] = ..., shm_socket: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., mooncake_layer_addresses: _Optional[_Iterable[int]] = ..., mooncake_staging: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("protocol_version", "request_id", "block_ids", "consumer_engine_id", "max_chunk_bytes", "layout_digest")
@@ -313,21 +315,29 @@ class CollectiveStoreResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ...) -> None: ...
 
 class MooncakeReadRequest(_message.Message):
-    __slots__ = ("pull", "done", "bytes_read", "error")
+    __slots__ = ("pull", "done", "bytes_read", "error", "staged", "chunk_read")
     PULL_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_READ_FIELD_NUMBER: _ClassVar[int]
     pull: PullRequest
     done: bool
     bytes_read: int
     error: str
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., done: _Optional[bool] = ..., bytes_read: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    staged: bool
+    chunk_read: bool
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., done: _Optional[bool] = ..., bytes_read: _Optional[int] = ..., error: _Optional[str] = ..., staged: _Optional[bool] = ..., chunk_read: _Optional[bool] = ...) -> None: ...
 
 class MooncakeReadProgress(_message.Message):
-    __slots__ = ("ready", "done")
+    __slots__ = ("ready", "done", "chunk", "chunk_address")
     READY_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     done: bool
-    def __init__(self, ready: _Optional[bool] = ..., done: _Optional[bool] = ...) -> None: ...
+    chunk: ChunkHeader
+    chunk_address: int
+    def __init__(self, ready: _Optional[bool] = ..., done: _Optional[bool] = ..., chunk: _Optional[_Union[ChunkHeader, _Mapping]] = ..., chunk_address: _Optional[int] = ...) -> None: ...

@@ -18,7 +18,10 @@ def make_cache(
     fill: str = "random",
     model: str = "tiny",
     seed: int = 0,
+    strided: bool = False,
 ) -> PagedKVCache:
+    """`strided`: each layer heads-major in memory, a view with blocks on dim 0 whose block rows
+    are not contiguous (as attention backends with an HND layout hand them over); same values."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(layers):
@@ -27,6 +30,8 @@ def make_cache(
             t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
         else:
             t = torch.zeros(shape, dtype=dtype)
+        if strided:
+            t = t.transpose(0, 1).contiguous().transpose(0, 1)
         tensors[f"model.layers.{i}.self_attn.attn"] = t
     return PagedKVCache(tensors, model=model, block_size=block_size)
 

@@ -23,18 +23,27 @@ from tests.unit.kv_fixtures import make_cache
 
 SECRET = "fast-transport-secret"
 CHUNK = 4096  # small chunks: many per pull, so the ring wraps and sends pipeline
+STAGING_CHUNK = 3 * CHUNK  # mooncake's staged chunks: a few per pull, each landed in CHUNK pieces
 REQUESTS = {"req-a": [3, 9, 10, 11, 60], "req-b": list(range(20, 40)), "req-c": [1, 2]}
 
 
 def settings(**overrides) -> KVTransferSettings:
-    return KVTransferSettings(secret=SECRET, max_chunk_bytes=CHUNK, pull_timeout_seconds=20, **overrides)
+    return KVTransferSettings(
+        secret=SECRET,
+        max_chunk_bytes=CHUNK,
+        pull_timeout_seconds=20,
+        mooncake={"staging_chunk_bytes": STAGING_CHUNK},
+        **overrides,
+    )
 
 
 PLAIN = ("grpc", "shm", "collective")  # what a producer bound to loopback offers on auto
 
 
-def producer_main(conn, overrides: dict, backends: tuple[str, ...] = PLAIN, port: int = 0) -> None:
-    cache = make_cache(seed=7)
+def producer_main(
+    conn, overrides: dict, backends: tuple[str, ...] = PLAIN, port: int = 0, strided: bool = False
+) -> None:
+    cache = make_cache(seed=7, strided=strided)
     served = settings(**overrides)
     producer = KVProducer(
         cache, "prefill-0", max_chunk_bytes=CHUNK, lease_wait_s=0.5, faults=FaultInjector(served.fault_injection)
@@ -56,13 +65,15 @@ def producer_main(conn, overrides: dict, backends: tuple[str, ...] = PLAIN, port
 
 
 @contextlib.contextmanager
-def running_producer(backends: tuple[str, ...] = PLAIN, port: int = 0, **overrides) -> Iterator[tuple[str, object]]:
+def running_producer(
+    backends: tuple[str, ...] = PLAIN, port: int = 0, strided: bool = False, **overrides
+) -> Iterator[tuple[str, object]]:
     """(the producer's address, a pipe to ask it "segments", "released" or "pushes"); `overrides`:
     its KV settings (fault injection); `backends`: what its server offers; `port`: its port (0:
-    any free one)."""
+    any free one); `strided`: its cache's layers are not contiguous rows (make_cache)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, overrides, backends, port))
+    proc = ctx.Process(target=producer_main, args=(child, overrides, backends, port, strided))
     proc.start()
     while not parent.poll(0.1):  # its address, once it serves; a producer that died says nothing
         assert proc.is_alive(), f"the producer process exited with {proc.exitcode} before serving"
@@ -82,9 +93,9 @@ def assert_copied(consumer, request_id, dst_ids) -> None:
         assert torch.equal(dst[dst_ids], src[REQUESTS[request_id]])
 
 
-def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool):
+def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool, strided: bool = False):
     """A consumer cache with REQUESTS[request_id] pulled into dst_ids, and the bytes received."""
-    consumer = make_cache(fill="zeros")
+    consumer = make_cache(fill="zeros", strided=strided)
     client = create_transport(backend, settings()).connect(address)
     try:
         client.handshake(consumer.layout, "decode-0")

@@ -46,17 +46,29 @@ def test_auto_picks_by_node_and_device(same_node, local, remote, offers, expecte
 
 
 @pytest.mark.parametrize(
-    ("same_node", "offers", "local_offers", "encrypted", "expected"),
+    ("same_node", "offers", "local_offers", "encrypted", "device", "expected"),
     [
-        (False, WITH_MOONCAKE, WITH_MOONCAKE, False, "mooncake"),  # across nodes, both have it
-        (True, WITH_MOONCAKE, WITH_MOONCAKE, False, "shm"),  # one node: shm is faster
-        (False, ALL, WITH_MOONCAKE, False, "grpc"),  # the producer lacks it
-        (False, WITH_MOONCAKE, ALL, False, "grpc"),  # this consumer lacks it
-        (False, WITH_MOONCAKE, WITH_MOONCAKE, True, "grpc"),  # TLS: Mooncake carries KV in clear
+        (False, WITH_MOONCAKE, WITH_MOONCAKE, False, "cpu", "mooncake"),  # across nodes, both have it
+        (False, WITH_MOONCAKE, WITH_MOONCAKE, False, "cuda", "mooncake"),  # device caches: staged
+        (True, WITH_MOONCAKE, WITH_MOONCAKE, False, "cpu", "shm"),  # one node: shm is faster
+        (False, ALL, WITH_MOONCAKE, False, "cpu", "grpc"),  # the producer lacks it
+        (False, WITH_MOONCAKE, ALL, False, "cpu", "grpc"),  # this consumer lacks it
+        (False, WITH_MOONCAKE, ALL, False, "npu", "collective"),  # ... with NPU caches: HCCL
+        (False, WITH_MOONCAKE, WITH_MOONCAKE, True, "cpu", "grpc"),  # TLS: Mooncake carries KV in clear
     ],
 )
-def test_auto_picks_mooncake_across_nodes_when_both_have_it(same_node, offers, local_offers, encrypted, expected):
-    chosen = choose("auto", same_node=same_node, offers=offers, local_offers=local_offers, encrypted=encrypted)
+def test_auto_picks_mooncake_across_nodes_when_both_have_it(
+    same_node, offers, local_offers, encrypted, device, expected
+):
+    chosen = choose(
+        "auto",
+        same_node=same_node,
+        local=device,
+        remote=device,
+        offers=offers,
+        local_offers=local_offers,
+        encrypted=encrypted,
+    )
     assert chosen == expected
 
 
@@ -88,15 +100,15 @@ def test_forced_collective_across_device_kinds_is_refused():
 
 
 def test_producer_offers():
-    # Mooncake's transfer engine is installed (the lock file) and reads host caches; its ports
-    # listen on every interface, so a KV server bound to loopback does not offer it.
-    assert offered_backends("auto", "cpu", "0.0.0.0") == ["grpc", "shm", "collective", "mooncake"]
-    assert offered_backends("auto", "cpu", "127.0.0.1") == ["grpc", "shm", "collective"]
-    assert offered_backends("auto", "cuda", "0.0.0.0") == ["grpc", "shm", "collective"]
-    assert offered_backends("mooncake", "cpu", "127.0.0.1") == ["mooncake"]  # asked for
-    assert offered_backends("shm", "cpu") == ["shm"]
+    # Mooncake's transfer engine is installed (the lock file) and reads any cache (device caches
+    # through host slots); its ports listen on every interface, so a KV server bound to loopback
+    # does not offer it.
+    assert offered_backends("auto", "0.0.0.0") == ["grpc", "shm", "collective", "mooncake"]
+    assert offered_backends("auto", "127.0.0.1") == ["grpc", "shm", "collective"]
+    assert offered_backends("mooncake", "127.0.0.1") == ["mooncake"]  # asked for
+    assert offered_backends("shm") == ["shm"]
     with pytest.raises(KVTransferError, match="choose one of"):
-        offered_backends("pigeon", "cpu")
+        offered_backends("pigeon")
 
 
 def test_node_id_is_stable_and_names_the_host():

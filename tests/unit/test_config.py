@@ -70,6 +70,10 @@ def test_shipped_configs_are_valid(name):
             {**BASE, "kv_transfer": {"mooncake": {"protocol": "udp"}}},
             "kv_transfer.mooncake.protocol: Input should be 'tcp' or 'rdma'",
         ),
+        (
+            {**BASE, "kv_transfer": {"mooncake": {"staging_chunk_bytes": 1 << 30}}},
+            "kv_transfer.mooncake.staging_chunk_bytes: must be ≤ 268435456",
+        ),
         ({**BASE, "router": {"policy": "random"}}, "router.policy: Input should be 'least_loaded', 'round_robin' or"),
         ({**BASE, "router": {"local_prefill_max_tokens": -1}}, "router.local_prefill_max_tokens: must be ≥ 0"),
         ({**BASE, "router": {"local_prefill_queue_tokens": -1}}, "router.local_prefill_queue_tokens: must be ≥ 0"),

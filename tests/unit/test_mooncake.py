@@ -1,7 +1,9 @@
-"""The mooncake backend's own rules, with Mooncake's real transfer engine over TCP on 127.0.0.1
-(byte-exact pulls between two processes are in test_fast_transports.py): one descriptor per run
-of blocks, a producer without Mooncake named with both sides, a stalled producer and a failing
-read are failed loads, and the producer holds the lease for the whole read."""
+"""The mooncake backend's own rules, with Mooncake's real transfer engine over TCP on 127.0.0.1,
+producer and consumer in two processes: byte-exact pulls read in place and staged (a cache whose
+layers are not contiguous rows takes the staged read a device cache takes:
+tools/kv_mooncake_device_check.py runs it on CUDA), one descriptor per run of blocks, a producer
+without Mooncake named with both sides, a stalled producer and a failing read are failed loads,
+and the producer holds the lease for the whole read."""
 
 from __future__ import annotations
 
@@ -15,17 +17,23 @@ from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
-from pdcluster.kv_transfer.transports.mooncake import MAX_BATCH, descriptors, unavailable
+from pdcluster.kv_transfer.transports.mooncake_engine import MAX_BATCH, descriptors, unavailable
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
 
-pytestmark = pytest.mark.skipif(unavailable("cpu") is not None, reason=str(unavailable("cpu")))
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 BACKENDS = ("grpc", "mooncake")
 
 
 @pytest.fixture(scope="module")
 def producer_process():
     with running_producer(BACKENDS) as producer:
+        yield producer
+
+
+@pytest.fixture(scope="module")
+def strided_producer():
+    with running_producer(BACKENDS, strided=True) as producer:
         yield producer
 
 
@@ -36,6 +44,34 @@ def test_pull_copies_blocks_exactly(producer_process, request_id):
     consumer, nbytes = pull("mooncake", address, request_id, dst_ids, direct=True)
     assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
     assert_copied(consumer, request_id, dst_ids)
+
+
+@pytest.mark.parametrize(
+    ("producer_strided", "consumer_strided"),
+    [(True, False), (False, True), (True, True)],
+    ids=["staged-producer", "landing-consumer", "both"],
+)
+@pytest.mark.parametrize("direct", [True, False], ids=["cache-sink", "plain-sink"])
+def test_a_cache_not_readable_in_place_is_read_staged_exactly(
+    producer_process, strided_producer, producer_strided, consumer_strided, direct
+):
+    """A producer whose layers are not contiguous rows serves each chunk from a registered slot
+    (it advertises no layer addresses); a consumer whose cache Mooncake cannot write in place (or
+    a sink that offers no cache) lands each chunk in a registered buffer and hands it on in
+    pieces its scatterer's slots hold. req-b's 20 blocks of 1 KiB a layer in 12 KiB staged
+    chunks: 6 chunks through 2 slots, each slot refilled after its chunk was read."""
+    address, _ = strided_producer if producer_strided else producer_process
+    client = create_transport("mooncake", settings()).connect(address)
+    try:
+        client.handshake(make_cache().layout, "decode-0")
+        assert bool(client.handshake_reply.mooncake_layer_addresses) is not producer_strided
+        assert client.handshake_reply.mooncake_staging
+    finally:
+        client.close()
+    dst_ids = [50 - i for i in range(len(REQUESTS["req-b"]))]
+    consumer, nbytes = pull("mooncake", address, "req-b", dst_ids, direct=direct, strided=consumer_strided)
+    assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
+    assert_copied(consumer, "req-b", dst_ids)
 
 
 def test_unknown_request_is_not_found(producer_process):
@@ -108,11 +144,12 @@ def test_a_stalled_producer_is_a_timed_out_pull_and_the_next_pull_works():
     assert sorted(set(outcomes)) == ["ok", "timed out"], outcomes  # seed 1: both happen
 
 
-def test_a_failing_read_fails_the_pull_and_the_producer_lets_go_of_the_lease():
+@pytest.mark.parametrize("strided", [False, True], ids=["in-place", "staged"])
+def test_a_failing_read_fails_the_pull_and_the_producer_lets_go_of_the_lease(strided):
     def fail(chunk):
         raise KVTransferError("injected: the sink refused a chunk")
 
-    with running_producer(BACKENDS) as (address, conn):
+    with running_producer(BACKENDS, strided=strided) as (address, conn):
         consumer = make_cache(fill="zeros")
         client = create_transport("mooncake", settings()).connect(address)
         try:

@@ -1,242 +1,115 @@
-"""Mooncake backend: the consumer reads the leased blocks straight out of the producer's KV cache
-into its own with Mooncake's transfer engine (TCP here; RDMA on IB/RoCE NICs), the engine vLLM's
-MooncakeConnector, SGLang and vllm-ascend move KV with.
+"""Mooncake backend: the consumer reads the leased blocks out of the producer's KV cache into its
+own with Mooncake's transfer engine (TCP here; RDMA on IB/RoCE NICs), the engine vLLM's
+MooncakeConnector, SGLang and vllm-ascend move KV with (mooncake_engine.py: the engine itself).
 
-Each engine process runs one transfer engine per role (P2P handshake: no metadata server). The
-producer registers its cache's layers with it once, when its KV server starts, and tells its
-session (host:port) and the layers' addresses in the handshake of each control connection, not
-in every request. The consumer registers its own cache once, on its first pull.
+The producer registers its cache with its transfer engine once, when its KV server starts, and
+tells its session (host:port) and the layers' addresses in the handshake of each control
+connection, not in every request. The consumer registers its own memory once, on first use.
 
-A pull is one `MooncakeRead` call on the authenticated gRPC channel (control stays there): the
-consumer sends the pull; the producer takes the lease (protocol, layout digest, block ids, lease
-checked as for every backend) and answers `ready`; the consumer reads every leased block in one
-batched transfer, one descriptor per contiguous run of blocks (on both sides) per layer, directly
-into its own blocks (no staging copy); then it tells the producer it is done and the producer lets
-go of the lease. The producer holds the lease for the whole read, so its blocks cannot be freed
-while they are read. A read that fails or outlives the pull's deadline is a failed load
-(recomputed or failed per policy); the consumer reports it only once its transfer engine says
-the batch ended (or after a grace period), so vLLM does not reuse blocks a late transfer writes.
+A pull is one `MooncakeRead` call on the authenticated gRPC channel (control stays there), in
+one of two modes the consumer picks:
+- in place (host caches on both sides, layers contiguous rows): the producer takes the lease
+  (protocol, layout digest, block ids, lease checked as for every backend) and answers `ready`;
+  the consumer reads every leased block in one batched transfer, one descriptor per contiguous
+  run of blocks (on both sides) per layer, straight into its own blocks (no staging copy); then
+  it tells the producer it is done and the producer lets go of the lease.
+- staged (a cache on a device, CUDA or NPU, on either side, or layers that are not contiguous
+  rows): the producer gathers the leased blocks chunk by chunk into registered host slots
+  (staging.BlockGatherer: on a device an event-synced, non-blocking copy on a side stream that
+  waits on the forward pass's event, the next chunk already in flight) and announces each
+  chunk's slot; the consumer reads it with one descriptor (into its cache's rows, a descriptor
+  per run of its blocks, for a host cache; else into a registered landing buffer whose bytes
+  its BlockScatterer copies to the device, event-synced) and says so, which frees the slot.
+
+The producer holds the lease for the whole read, so its blocks cannot be freed while they are
+read. A read that fails or outlives the pull's deadline is a failed load (recomputed or failed
+per policy); the consumer reports it only once its transfer engine says the batch ended (or
+after a grace period), so vLLM does not reuse blocks a late transfer writes.
 
 Mooncake's own ports (its RPC and data connections) are not authenticated (Mooncake has no such
 layer) and listen on every interface (0.3.13 has no bind setting): whoever reaches them can read
-and write the registered KV cache, as on an RDMA fabric. So auto offers mooncake only from KV
-servers bound beyond loopback (selection.offered_backends), never picks it with
-`kv_transfer.tls`, and the README's threat model says so. Host
-caches only here: a device cache (CUDA, NPU) is not offered mooncake (it takes collective or
-grpc), see the README's NVIDIA and Ascend sections.
+and write the registered memory (a host cache, or the staging slots), as on an RDMA fabric. So
+auto offers mooncake only from KV servers bound beyond loopback (selection.offered_backends),
+never picks it with `kv_transfer.tls`, and the README's threat model says so.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import importlib.util
-import logging
-import math
-import os
+import contextlib
 import queue
 import socket
-import threading
 import time
 from collections.abc import Iterator, Sequence
 
 import grpc
 import numpy as np
+import torch
 
 from pdcluster.addresses import binds_every_address
-from pdcluster.errors import HandshakeError, KVTransferError, TransferTimeoutError
+from pdcluster.errors import HandshakeError, KVTransferError
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import KVLayout, ProducerInfo
 from pdcluster.kv_transfer.settings import KVTransferSettings
+from pdcluster.kv_transfer.staging import BlockGatherer, Pool
 from pdcluster.kv_transfer.transports import rpc
 from pdcluster.kv_transfer.transports.base import (
     Authorize,
     CacheSink,
+    ChunkSink,
     ServerExtension,
     Transport,
     TransportClient,
 )
 from pdcluster.kv_transfer.transports.collective import local_address_towards
 from pdcluster.kv_transfer.transports.grpc_transport import SERVICE, GrpcClient, pull_errors_abort, translate
+from pdcluster.kv_transfer.transports.mooncake_engine import MooncakeEngine, descriptors, engine_for, unavailable
 from pdcluster.protos import kv_transfer_pb2 as pb
 
-logger = logging.getLogger(__name__)
 
-BATCH_PENDING = 1  # get_batch_transfer_status: 0 done, 1 still running, < 0 failed
-# Mooncake 0.3.13's TCP transport queues at most 2048 transfers per peer and fails a whole batch
-# beyond that (its MC_TCP_* queue settings do not raise it): a pull's ranges go in batches of
-# at most this many, one batch at a time per peer.
-MAX_BATCH = 2048
-POLL_S = (0.0002, 0.005)  # first and longest wait between two looks at a running batch
+def address_of(data: memoryview) -> int:
+    """Where a host buffer's bytes begin."""
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data
 
 
-@functools.lru_cache(maxsize=4)
-def unavailable(device_kind: str) -> str | None:
-    """Why this process cannot run the mooncake backend for a cache on `device_kind` (None: it
-    can). Checked without importing Mooncake, which reads its settings when imported (the first
-    engine does that, _configure first). The wheel links libibverbs/librdmacm even for TCP
-    (tools/system_deps.sh installs them)."""
-    if device_kind != "cpu":
-        return f"the mooncake backend reads host caches; this cache is on {device_kind}"
-    if importlib.util.find_spec("mooncake") is None:
-        return "Mooncake's transfer engine is not installed (mooncake-transfer-engine-non-cuda)"
-    for library in ("libibverbs.so.1", "librdmacm.so.1"):
-        try:
-            ctypes.CDLL(library)
-        except OSError as exc:
-            return f"Mooncake's transfer engine needs {library} ({exc}; apt-get install libibverbs1 librdmacm1)"
-    return None
-
-
-def _configure(settings: KVTransferSettings) -> None:
-    """Mooncake reads its settings from the environment when `mooncake.engine` is imported: its
-    transfers bounded by the pull timeout (seconds), its log at warnings. An operator's own MC_*
-    values win. (Its ports stay its own: it refuses ranges inside the kernel's ephemeral one,
-    where the KV port range lies by default.)"""
-    wanted = {
-        "MC_TRANSFER_TIMEOUT": str(math.ceil(settings.pull_timeout_seconds)),
-        "MC_LOG_LEVEL": "WARNING",
-        "GLOG_minloglevel": "1",
-    }
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
-
-
-class MooncakeEngine:
-    """One transfer engine of this process, the regions it registered, and batched reads."""
-
-    def __init__(self, host: str, settings: KVTransferSettings):
-        _configure(settings)
-        try:
-            from mooncake.engine import TransferEngine
-        except ImportError as exc:
-            raise KVTransferError(f"Mooncake's transfer engine cannot be imported: {exc}") from exc
-        self.protocol = settings.mooncake.protocol
-        self.engine = TransferEngine()
-        rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol, settings.mooncake.device_name)
-        if rc != 0:
-            raise KVTransferError(f"Mooncake's transfer engine did not start on {host} ({self.protocol}): code {rc}")
-        self.session = f"{host}:{self.engine.get_rpc_port()}"
-        self._registered: set[tuple[int, int]] = set()
-        self._lock = threading.Lock()
-        self._peers: dict[str, threading.Lock] = {}  # one batch in flight per peer (MAX_BATCH)
-        logger.info("Mooncake transfer engine %s (%s)", self.session, self.protocol)
-
-    def register(self, regions: Sequence[tuple[int, int]]) -> None:
-        """Register (address, bytes) regions not registered yet; a registered region a new one
-        overlaps belonged to a cache that is gone (its memory reused): it is unregistered."""
-        with self._lock:
-            new = [region for region in regions if region not in self._registered]
-            if not new:
-                return
-            for old in [r for r in self._registered if any(_overlap(r, region) for region in new)]:
-                self.engine.unregister_memory(old[0])
-                self._registered.discard(old)
-            rc = self.engine.batch_register_memory([a for a, _ in new], [n for _, n in new])
-            if rc != 0:
-                raise KVTransferError(f"Mooncake could not register {len(new)} KV cache regions: code {rc}")
-            self._registered.update(new)
-
-    def read(
-        self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
-    ) -> None:
-        """Read each remote range of `session` into the local one at the same index, at most
-        MAX_BATCH ranges in flight to that peer (from any thread); raises on failure or past
-        `deadline`, but only once the batch in flight ended (or `grace_s` after it)."""
-        with self._lock:
-            peer = self._peers.setdefault(session, threading.Lock())
-        with peer:
-            for start in range(0, len(local), MAX_BATCH):
-                end = start + MAX_BATCH
-                self._read_batch(session, local[start:end], remote[start:end], lengths[start:end], deadline, grace_s)
-
-    def _read_batch(
-        self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
-    ) -> None:
-        batch = self.engine.batch_transfer_async_read(session, local, remote, lengths)
-        if not batch:
-            raise KVTransferError(f"Mooncake could not start a read from {session}")
-        wait, late = POLL_S[0], None
-        while (status := self.engine.get_batch_transfer_status([batch])) == BATCH_PENDING:
-            now = time.monotonic()
-            if late is None and now > deadline:
-                late = now
-            if late is not None and now > late + grace_s:
-                raise TransferTimeoutError(
-                    f"Mooncake read from {session} still running {grace_s:.0f} s past its deadline"
-                )
-            time.sleep(wait)  # poll interval: the engine's status has no blocking wait
-            wait = min(wait * 2, POLL_S[1])
-        if status != 0:
-            raise KVTransferError(f"Mooncake read of {sum(lengths)} bytes from {session} failed (status {status})")
-        if late is not None:
-            raise TransferTimeoutError(f"Mooncake read from {session} ended past the pull's deadline")
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
-
-
-_engines: dict[str, MooncakeEngine] = {}
-_engines_lock = threading.Lock()
-
-
-def engine_for(role: str, host: str, settings: KVTransferSettings) -> MooncakeEngine:
-    """This process's transfer engine for `role` (producer | consumer), started on first use."""
-    key = f"{role}@{host}"
-    with _engines_lock:
-        if key not in _engines:
-            _engines[key] = MooncakeEngine(host, settings)
-        return _engines[key]
-
-
-def descriptors(
-    local_bases: Sequence[int],
-    remote_bases: Sequence[int],
-    row_bytes: Sequence[int],
-    remote_ids: Sequence[int],
-    local_ids: Sequence[int],
-) -> tuple[list[int], list[int], list[int]]:
-    """(local addresses, remote addresses, lengths): one per layer and run of blocks consecutive
-    on both sides (block b of a layer is row bytes at base + b * row)."""
-    src = np.asarray(remote_ids, dtype=np.int64)
-    dst = np.asarray(local_ids, dtype=np.int64)
-    if len(src) != len(dst):
-        raise KVTransferError(f"{len(src)} producer blocks for {len(dst)} consumer blocks")
-    if not len(src):
-        return [], [], []
-    starts = np.concatenate(([0], np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1))
-    runs = np.diff(np.concatenate((starts, [len(src)])))
-    local, remote, lengths = [], [], []
-    for local_base, remote_base, row in zip(local_bases, remote_bases, row_bytes):
-        local.append(local_base + dst[starts] * row)
-        remote.append(remote_base + src[starts] * row)
-        lengths.append(runs * row)
-    return (np.concatenate(local).tolist(), np.concatenate(remote).tolist(), np.concatenate(lengths).tolist())
+def in_place(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether Mooncake can read these layers where they are: host memory, block rows contiguous."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 class MooncakeExtension(ServerExtension):
-    """The producer's half: its cache registered once, and the lease held while a consumer reads."""
+    """The producer's half: its cache (or, staged, its slots) registered once, and the lease held
+    while a consumer reads."""
 
     def __init__(self, producer: KVProducer, settings: KVTransferSettings):
-        cache = producer.cache
-        reason = unavailable(cache.device.type)
-        if reason is None and not all(t.is_contiguous() for t in cache.tensors):
-            reason = "the mooncake backend needs every KV layer as contiguous block rows"
+        reason = unavailable()
         if reason is not None:
             raise KVTransferError(reason)
         self.producer = producer
+        self.staging_chunk_bytes = settings.mooncake.staging_chunk_bytes
+        cache = producer.cache
         # Consumers reach its transfer engine where they reach its KV server.
         advertised = settings.host_for_peers
         if binds_every_address(advertised):
             advertised = socket.gethostbyname(socket.gethostname())
         self.engine = engine_for("producer", advertised, settings)
-        self.engine.register([(t.data_ptr(), t.numel() * t.element_size()) for t in cache.tensors])
-        self._addresses = [t.data_ptr() for t in cache.tensors]
+        self._addresses: list[int] = []
+        if in_place(cache.tensors):
+            self.engine.register([(t.data_ptr(), t.numel() * t.element_size()) for t in cache.tensors])
+            self._addresses = [t.data_ptr() for t in cache.tensors]
+        self._gatherers: Pool[BlockGatherer] = Pool(self._registered_gatherer)
+
+    def _registered_gatherer(self) -> BlockGatherer:
+        gatherer = BlockGatherer(self.producer.cache, self.staging_chunk_bytes)
+        self.engine.register([(s.host.data_ptr(), s.host.numel()) for s in gatherer.slots])
+        return gatherer
 
     def handshake_fields(self) -> dict:
-        return {"mooncake_session": self.engine.session, "mooncake_layer_addresses": self._addresses}
+        return {
+            "mooncake_session": self.engine.session,
+            "mooncake_layer_addresses": self._addresses,
+            "mooncake_staging": True,
+        }
 
     def handlers(self, authorize: Authorize) -> dict[str, grpc.RpcMethodHandler]:
         return {
@@ -250,21 +123,43 @@ class MooncakeExtension(ServerExtension):
         if first is None or not first.HasField("pull"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "MooncakeRead starts with the pull")
         pull = first.pull
+        if not first.staged and not self._addresses:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this producer's cache is read staged only")
         with pull_errors_abort(context):
-            with self.producer.leased(pull.request_id, list(pull.block_ids), pull.protocol_version, pull.layout_digest):
-                yield pb.MooncakeReadProgress(ready=True)
-                done = next(requests, None)  # the consumer's reads ended, or its call did
-            if done is not None and done.done and not done.error:
-                self.producer.bytes_sent += done.bytes_read
+            with self.producer.leased(
+                pull.request_id, list(pull.block_ids), pull.protocol_version, pull.layout_digest
+            ) as lease:
+                if first.staged:
+                    yield from self._staged(pull, lease.ready_event, requests)
+                else:
+                    yield pb.MooncakeReadProgress(ready=True)
+                    done = next(requests, None)  # the consumer's reads ended, or its call did
+                    if done is not None and done.done and not done.error:
+                        self.producer.bytes_sent += done.bytes_read
             yield pb.MooncakeReadProgress(done=True)
+
+    def _staged(
+        self, pull: pb.PullRequest, ready_event: torch.Event | None, requests: Iterator[pb.MooncakeReadRequest]
+    ) -> Iterator[pb.MooncakeReadProgress]:
+        """Announce each chunk once its slot holds it; the next waits until the consumer read it
+        (the gatherer refills a slot only after the chunk it handed out was read)."""
+        chunk_bytes = min(pull.max_chunk_bytes or self.staging_chunk_bytes, self.staging_chunk_bytes)
+        with self._gatherers.get() as gatherer:
+            for chunk, data in gatherer.chunks(list(pull.block_ids), ready_event, chunk_bytes):
+                header = pb.ChunkHeader(layer_index=chunk.layer_index, first_block=chunk.first, num_blocks=chunk.count)
+                yield pb.MooncakeReadProgress(chunk=header, chunk_address=address_of(data))
+                answer = next(requests, None)
+                if answer is None or not answer.chunk_read:
+                    return  # the consumer failed (it says why) or went away
+                self.producer.bytes_sent += chunk.nbytes
 
 
 class MooncakeClient(GrpcClient):
-    """The consumer's half: reads the leased blocks into its own registered cache."""
+    """The consumer's half: reads the leased blocks into its own registered memory."""
 
-    def __init__(self, endpoint: str, settings: KVTransferSettings, device: str = "cpu"):
+    def __init__(self, endpoint: str, settings: KVTransferSettings):
         super().__init__(endpoint, settings)
-        reason = unavailable(device)
+        reason = unavailable()
         if reason is not None:
             raise KVTransferError(f"KV backend mooncake with {endpoint}: {reason}")
         self._read_call = self.channel.stream_stream(
@@ -274,6 +169,7 @@ class MooncakeClient(GrpcClient):
         )
         self._handshaken: tuple[KVLayout, str] | None = None
         self._stale = False
+        self._landing: Pool[torch.Tensor] | None = None
         # A new session: the producer restarted, so its transfer engine and cache addresses are
         # new too; the next pull asks for them again (the hook runs under the session's lock).
         self.control.on_new_session.append(self._forget_regions)
@@ -286,50 +182,51 @@ class MooncakeClient(GrpcClient):
         self._handshaken, self._stale = (local_layout, engine_id), False
         return info
 
-    def _producer_regions(self) -> tuple[str, list[int]]:
+    def _producer_regions(self, staged: bool) -> tuple[str, list[int]]:
+        """The producer's transfer-engine session and its layers' addresses (none: staged only)."""
         if self._stale and self._handshaken is not None:
             self.handshake(*self._handshaken)
         reply = self.handshake_reply
         assert reply is not None and self._remote_layout is not None
         layers = len(self._remote_layout.layers)
-        if not reply.mooncake_session or len(reply.mooncake_layer_addresses) != layers:
+        addresses = list(reply.mooncake_layer_addresses)
+        who = reply.engine_id or self.endpoint
+        if not reply.mooncake_session or (addresses and len(addresses) != layers):
             raise HandshakeError(
-                f"producer {reply.engine_id or self.endpoint} describes {len(reply.mooncake_layer_addresses)} "
-                f"Mooncake layer regions (session {reply.mooncake_session or 'none'}), this consumer "
-                f"needs {layers}"
+                f"producer {who} describes {len(addresses)} Mooncake layer regions (session "
+                f"{reply.mooncake_session or 'none'}), this consumer needs {layers}"
             )
-        return reply.mooncake_session, list(reply.mooncake_layer_addresses)
+        if (staged or not addresses) and not reply.mooncake_staging:
+            raise HandshakeError(
+                f"producer {who} serves Mooncake reads in place only (an older pdcluster), this consumer's "
+                "cache needs staged reads (a device cache or layers that are not contiguous rows)"
+            )
+        return reply.mooncake_session, addresses
 
-    def _pull_once(self, request: pb.PullRequest, block_ids: Sequence[int], sink: CacheSink, timeout_s: float) -> int:
+    def _pull_once(self, request: pb.PullRequest, block_ids: Sequence[int], sink: ChunkSink, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        regions = sink.host_regions()
-        if regions is None:
-            raise KVTransferError("the mooncake backend reads into host caches; this consumer's cache is not one")
+        regions = sink.host_regions() if isinstance(sink, CacheSink) else None
         self.control.session()  # a new session (the producer restarted) marks its regions stale
-        session, remote_bases = self._producer_regions()
-        host = session.rpartition(":")[0]
-        engine = engine_for("consumer", local_address_towards(host), self.settings)
-        engine.register([(address, nbytes) for address, nbytes, _ in regions])
-        rows = [row for _, _, row in regions]
-        local, remote, lengths = descriptors([a for a, _, _ in regions], remote_bases, rows, block_ids, sink.block_ids)
-        total = sum(lengths)
+        session, remote_bases = self._producer_regions(staged=regions is None)
+        engine = engine_for("consumer", local_address_towards(session.rpartition(":")[0]), self.settings)
+        staged = regions is None or not remote_bases
+        if staged:  # chunks travel through registered slots, not gRPC messages
+            copy = pb.PullRequest()
+            copy.CopyFrom(request)
+            copy.max_chunk_bytes = self.settings.mooncake.staging_chunk_bytes
+            request = copy
         outbox: queue.Queue[pb.MooncakeReadRequest | None] = queue.Queue()
-        outbox.put(pb.MooncakeReadRequest(pull=request))
+        outbox.put(pb.MooncakeReadRequest(pull=request, staged=staged))
         call = self._read_call(
             iter(outbox.get, None), metadata=self.control.metadata("MooncakeRead"), timeout=timeout_s
         )
+        read = self._read_staged if staged else self._read_in_place
         try:
-            ready = next(call, None)
-            if ready is None or not ready.ready:
-                raise KVTransferError(f"producer {self.endpoint} ended the read of {request.request_id} unannounced")
             try:
-                engine.read(session, local, remote, lengths, deadline, self.settings.connect_timeout_seconds)
+                total = read(engine, session, remote_bases, call, outbox, block_ids, sink, deadline, regions)
             except BaseException as exc:
                 outbox.put(pb.MooncakeReadRequest(done=True, error=str(exc) or type(exc).__name__))
                 raise
-            outbox.put(pb.MooncakeReadRequest(done=True, bytes_read=total))
-            if next(call, None) is None:  # the producer held the lease until our reads ended
-                raise KVTransferError(f"producer {self.endpoint} ended the read of {request.request_id} early")
         except grpc.RpcError as exc:
             raise translate(exc, self.endpoint, f"KV mooncake read of {request.request_id}") from None
         except BaseException:
@@ -337,10 +234,88 @@ class MooncakeClient(GrpcClient):
             raise
         finally:
             outbox.put(None)  # the call's request stream ends in every case (gRPC reads it in a thread)
+        return self.check_total(request.request_id, block_ids, total)
+
+    def _read_in_place(self, engine, session, remote_bases, call, outbox, block_ids, sink, deadline, regions) -> int:
+        """Every leased block in one batched read from the producer's cache into ours."""
+        engine.register([(address, nbytes) for address, nbytes, _ in regions])
+        rows = [row for _, _, row in regions]
+        local, remote, lengths = descriptors([a for a, _, _ in regions], remote_bases, rows, block_ids, sink.block_ids)
+        ready = next(call, None)
+        if ready is None or not ready.ready:
+            raise KVTransferError(f"producer {self.endpoint} ended the read unannounced")
+        engine.read(session, local, remote, lengths, deadline, self.settings.connect_timeout_seconds)
+        total = sum(lengths)
+        outbox.put(pb.MooncakeReadRequest(done=True, bytes_read=total))
+        if next(call, None) is None:  # the producer held the lease until our reads ended
+            raise KVTransferError(f"producer {self.endpoint} ended the read early")
         count = len(block_ids)
         for index, row in enumerate(rows):
             sink.landed(Chunk(index, 0, count, count * row))
-        return self.check_total(request.request_id, block_ids, total)
+        return total
+
+    def _read_staged(self, engine, session, remote_bases, call, outbox, block_ids, sink, deadline, regions) -> int:
+        """Chunk by chunk out of the producer's slots: into our cache's rows (host cache) or a
+        landing buffer the sink copies from (device cache), each read acknowledged at once so
+        the producer refills the slot while we land the chunk."""
+        if regions is not None:
+            engine.register([(address, nbytes) for address, nbytes, _ in regions])
+        total = 0
+        grace = self.settings.connect_timeout_seconds
+        with contextlib.ExitStack() as stack:
+            landing = None if regions is not None else stack.enter_context(self._landing_pool(engine).get())
+            for progress in call:
+                if progress.done:  # the producer let go of the lease after our last read
+                    return total
+                if not progress.HasField("chunk"):
+                    raise KVTransferError(f"producer {self.endpoint} announced no chunk in a staged read")
+                chunk = self.check_chunk(progress.chunk, len(block_ids))
+                if landing is None:
+                    address, _, row = regions[chunk.layer_index]
+                    own = sink.block_ids[chunk.first : chunk.first + chunk.count]
+                    local, remote, lengths = descriptors(
+                        [address], [progress.chunk_address], [row], range(chunk.count), own
+                    )
+                    engine.read(session, local, remote, lengths, deadline, grace)
+                    outbox.put(pb.MooncakeReadRequest(chunk_read=True))
+                    sink.landed(chunk)
+                else:
+                    if chunk.nbytes > landing.numel():
+                        raise KVTransferError(
+                            f"KV chunk of {chunk.nbytes} bytes from {self.endpoint} exceeds the pull's"
+                        )
+                    engine.read(
+                        session, [landing.data_ptr()], [progress.chunk_address], [chunk.nbytes], deadline, grace
+                    )
+                    outbox.put(pb.MooncakeReadRequest(chunk_read=True))
+                    self._land(chunk, landing, sink)
+                total += chunk.nbytes
+        raise KVTransferError(f"producer {self.endpoint} ended a staged read unannounced")
+
+    def _land(self, chunk: Chunk, landing: torch.Tensor, sink: ChunkSink) -> None:
+        """Hand a landed chunk to the sink in pieces of at most `max_chunk_bytes` (the size of
+        the scatterer's slots, which the staging chunk may exceed)."""
+        row = chunk.nbytes // chunk.count
+        per = max(1, self.settings.max_chunk_bytes // row)
+        for start in range(0, chunk.count, per):
+            count = min(per, chunk.count - start)
+            piece = landing[start * row : (start + count) * row]
+            sink(Chunk(chunk.layer_index, chunk.first + start, count, count * row), memoryview(piece.numpy()))
+
+    def _landing_pool(self, engine: MooncakeEngine) -> Pool[torch.Tensor]:
+        """Host buffers (registered once each) as large as the largest chunk a pull asks for."""
+        if self._landing is None:
+            assert self._remote_layout is not None
+            cap = self.settings.mooncake.staging_chunk_bytes
+            nbytes = max(max(1, cap // layer.block_bytes) * layer.block_bytes for layer in self._remote_layout.layers)
+
+            def landing() -> torch.Tensor:
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                engine.register([(buffer.data_ptr(), nbytes)])
+                return buffer
+
+            self._landing = Pool(landing)
+        return self._landing
 
 
 class MooncakeTransport(Transport):
@@ -350,4 +325,4 @@ class MooncakeTransport(Transport):
         return MooncakeExtension(producer, self.settings)
 
     def connect(self, endpoint: str) -> TransportClient:
-        return MooncakeClient(endpoint, self.settings, self.device)
+        return MooncakeClient(endpoint, self.settings)

@@ -4,9 +4,10 @@ The producer's KV server tells, in the handshake of each connection (protocol.Pr
 node identity, its KV cache's device kind and the backends it offers (`offered_backends`). The
 consumer's `kv_transfer.backend` then decides (`choose_backend`):
   auto        shm on the same node; else mooncake when both engines have Mooncake's transfer
-              engine (host caches); else collective when both caches are on the same kind of
-              accelerator (NCCL / HCCL); else grpc. Mooncake and collective backends carry KV in
-              clear: with `kv_transfer.tls` (KV channels to be encrypted) auto keeps to grpc
+              engine (host caches read in place, device caches through host slots); else
+              collective when both caches are on the same kind of accelerator (NCCL / HCCL);
+              else grpc. Mooncake and collective backends carry KV in clear: with
+              `kv_transfer.tls` (KV channels to be encrypted) auto keeps to grpc
   explicit    that backend, refused with both sides' values if the producer does not offer it
               (or, for shm, is on another node)
 """
@@ -42,7 +43,7 @@ def node_id() -> str:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def offered_backends(configured: str, device_kind: str, bind_host: str = "0.0.0.0") -> list[str]:
+def offered_backends(configured: str, bind_host: str = "0.0.0.0") -> list[str]:
     """What a producer configured with `configured` serves (control is always gRPC). On auto,
     mooncake only where its engine runs and the KV server is reachable from other nodes:
     Mooncake's transfer engine listens on every interface (it has no bind setting), so a KV
@@ -51,10 +52,10 @@ def offered_backends(configured: str, device_kind: str, bind_host: str = "0.0.0.
         raise KVTransferError(f"kv_transfer backend {configured!r}; choose one of {BACKEND_CHOICES}")
     if configured != "auto":
         return [configured]
-    from pdcluster.kv_transfer.transports.mooncake import unavailable
+    from pdcluster.kv_transfer.transports.mooncake_engine import unavailable
 
     offers = ["grpc", "shm", "collective"]
-    if bind_host not in LOOPBACK and unavailable(device_kind) is None:
+    if bind_host not in LOOPBACK and unavailable() is None:
         offers.append("mooncake")
     return offers
 

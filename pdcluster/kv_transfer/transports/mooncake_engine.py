@@ -1,0 +1,178 @@
+"""Mooncake's transfer engine as the mooncake backend uses it (transports/mooncake.py has the
+design): one engine per role and process (P2P handshake, no metadata server), memory regions
+registered once, batched reads bounded by the pull's deadline, and one descriptor per run of
+blocks consecutive on both sides.
+
+`unavailable()` says, without importing Mooncake (which reads its settings when imported), why
+this process cannot run the backend; the wheel links libibverbs/librdmacm even for TCP
+(tools/system_deps.sh installs them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdcluster.errors import KVTransferError, TransferTimeoutError
+from pdcluster.kv_transfer.settings import KVTransferSettings
+
+logger = logging.getLogger(__name__)
+
+BATCH_PENDING = 1  # get_batch_transfer_status: 0 done, 1 still running, < 0 failed
+# Mooncake 0.3.13's TCP transport queues at most 2048 transfers per peer and fails a whole batch
+# beyond that (its MC_TCP_* queue settings do not raise it): a pull's ranges go in batches of
+# at most this many, one batch at a time per peer.
+MAX_BATCH = 2048
+# First and longest wait between two looks at a running batch: a staged read's chunk takes a few
+# ms, so a longer wait would leave the link idle for a good part of it.
+POLL_S = (0.0001, 0.001)
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """Why this process cannot run the mooncake backend (None: it can). Host caches are read in
+    place, device caches (CUDA, NPU) through host slots (staging.py), so only the engine counts."""
+    if importlib.util.find_spec("mooncake") is None:
+        return "Mooncake's transfer engine is not installed (mooncake-transfer-engine-non-cuda)"
+    for library in ("libibverbs.so.1", "librdmacm.so.1"):
+        try:
+            ctypes.CDLL(library)
+        except OSError as exc:
+            return f"Mooncake's transfer engine needs {library} ({exc}; apt-get install libibverbs1 librdmacm1)"
+    return None
+
+
+def _configure(settings: KVTransferSettings) -> None:
+    """Mooncake reads its settings from the environment when `mooncake.engine` is imported: its
+    transfers bounded by the pull timeout (seconds), its log at warnings. An operator's own MC_*
+    values win. (Its ports stay its own: it refuses ranges inside the kernel's ephemeral one,
+    where the KV port range lies by default.)"""
+    wanted = {
+        "MC_TRANSFER_TIMEOUT": str(math.ceil(settings.pull_timeout_seconds)),
+        "MC_LOG_LEVEL": "WARNING",
+        "GLOG_minloglevel": "1",
+    }
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+
+
+class MooncakeEngine:
+    """One transfer engine of this process, the regions it registered, and batched reads."""
+
+    def __init__(self, host: str, settings: KVTransferSettings):
+        _configure(settings)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise KVTransferError(f"Mooncake's transfer engine cannot be imported: {exc}") from exc
+        self.protocol = settings.mooncake.protocol
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol, settings.mooncake.device_name)
+        if rc != 0:
+            raise KVTransferError(f"Mooncake's transfer engine did not start on {host} ({self.protocol}): code {rc}")
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self._registered: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+        self._peers: dict[str, threading.Lock] = {}  # one batch in flight per peer (MAX_BATCH)
+        logger.info("Mooncake transfer engine %s (%s)", self.session, self.protocol)
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Register (address, bytes) regions not registered yet; a registered region a new one
+        overlaps belonged to a cache that is gone (its memory reused): it is unregistered."""
+        with self._lock:
+            new = [region for region in regions if region not in self._registered]
+            if not new:
+                return
+            for old in [r for r in self._registered if any(_overlap(r, region) for region in new)]:
+                self.engine.unregister_memory(old[0])
+                self._registered.discard(old)
+            rc = self.engine.batch_register_memory([a for a, _ in new], [n for _, n in new])
+            if rc != 0:
+                raise KVTransferError(f"Mooncake could not register {len(new)} KV cache regions: code {rc}")
+            self._registered.update(new)
+
+    def read(
+        self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
+    ) -> None:
+        """Read each remote range of `session` into the local one at the same index, at most
+        MAX_BATCH ranges in flight to that peer (from any thread); raises on failure or past
+        `deadline`, but only once the batch in flight ended (or `grace_s` after it)."""
+        with self._lock:
+            peer = self._peers.setdefault(session, threading.Lock())
+        with peer:
+            for start in range(0, len(local), MAX_BATCH):
+                end = start + MAX_BATCH
+                self._read_batch(session, local[start:end], remote[start:end], lengths[start:end], deadline, grace_s)
+
+    def _read_batch(
+        self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
+    ) -> None:
+        batch = self.engine.batch_transfer_async_read(session, local, remote, lengths)
+        if not batch:
+            raise KVTransferError(f"Mooncake could not start a read from {session}")
+        wait, late = POLL_S[0], None
+        while (status := self.engine.get_batch_transfer_status([batch])) == BATCH_PENDING:
+            now = time.monotonic()
+            if late is None and now > deadline:
+                late = now
+            if late is not None and now > late + grace_s:
+                raise TransferTimeoutError(
+                    f"Mooncake read from {session} still running {grace_s:.0f} s past its deadline"
+                )
+            time.sleep(wait)  # poll interval: the engine's status has no blocking wait
+            wait = min(wait * 2, POLL_S[1])
+        if status != 0:
+            raise KVTransferError(f"Mooncake read of {sum(lengths)} bytes from {session} failed (status {status})")
+        if late is not None:
+            raise TransferTimeoutError(f"Mooncake read from {session} ended past the pull's deadline")
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+
+_engines: dict[str, MooncakeEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(role: str, host: str, settings: KVTransferSettings) -> MooncakeEngine:
+    """This process's transfer engine for `role` (producer | consumer), started on first use."""
+    key = f"{role}@{host}"
+    with _engines_lock:
+        if key not in _engines:
+            _engines[key] = MooncakeEngine(host, settings)
+        return _engines[key]
+
+
+def descriptors(
+    local_bases: Sequence[int],
+    remote_bases: Sequence[int],
+    row_bytes: Sequence[int],
+    remote_ids: Sequence[int],
+    local_ids: Sequence[int],
+) -> tuple[list[int], list[int], list[int]]:
+    """(local addresses, remote addresses, lengths): one per layer and run of blocks consecutive
+    on both sides (block b of a layer is row bytes at base + b * row)."""
+    src = np.asarray(remote_ids, dtype=np.int64)
+    dst = np.asarray(local_ids, dtype=np.int64)
+    if len(src) != len(dst):
+        raise KVTransferError(f"{len(src)} producer blocks for {len(dst)} consumer blocks")
+    if not len(src):
+        return [], [], []
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1))
+    runs = np.diff(np.concatenate((starts, [len(src)])))
+    local, remote, lengths = [], [], []
+    for local_base, remote_base, row in zip(local_bases, remote_bases, row_bytes):
+        local.append(local_base + dst[starts] * row)
+        remote.append(remote_base + src[starts] * row)
+        lengths.append(runs * row)
+    return (np.concatenate(local).tolist(), np.concatenate(remote).tolist(), np.concatenate(lengths).tolist())
