@@ -12,8 +12,10 @@ block ids:
 2. no hidden synchronisation: on CUDA both processes run their pulls under
    torch.cuda.set_sync_debug_mode("error"), which raises on .item()/.tolist()/.cpu()/
    device-wide syncs (waiting on one slot's event is the design);
-3. bytes/s of the mooncake pull against the grpc pull, same run, and, for reference, the same
-   pull between two host caches (mooncake reading in place).
+3. bytes/s of the mooncake pull against the grpc pull, same run: staged at each
+   --staging-chunk-bytes, and, where the Mooncake build registers device memory (its CUDA or NPU
+   wheel), read in place between the two device caches; for reference, the same pull between
+   two host caches (mooncake reading in place).
 
 Usage: python tools/kv_mooncake_device_check.py [--tokens 8192 32768] [--layers 28]
        [--staging-chunk-bytes 33554432 [...]] [--json OUT]
@@ -41,17 +43,17 @@ from pdcluster.kv_transfer.producer import KVProducer  # noqa: E402
 from pdcluster.kv_transfer.staging import BlockScatterer, DeviceContext  # noqa: E402
 from pdcluster.kv_transfer.transports import create_transport, serve_backends  # noqa: E402
 from pdcluster.kv_transfer.transports.base import CacheSink  # noqa: E402
-from pdcluster.kv_transfer.transports.mooncake_engine import unavailable  # noqa: E402
+from pdcluster.kv_transfer.transports.mooncake import in_place  # noqa: E402
+from pdcluster.kv_transfer.transports.mooncake_engine import build, registers, unavailable  # noqa: E402
 
 BACKENDS = ["grpc", "mooncake"]
 CHUNK = 4 << 20
 
 
-def settings(staging_chunk_bytes: int):
+def settings(staging_chunk_bytes: int, register: bool = True):
     base = plain_settings()
-    return base.model_copy(
-        update={"mooncake": base.mooncake.model_copy(update={"staging_chunk_bytes": staging_chunk_bytes})}
-    )
+    mooncake = {"staging_chunk_bytes": staging_chunk_bytes, "device_memory": "register" if register else "stage"}
+    return base.model_copy(update={"mooncake": base.mooncake.model_copy(update=mooncake)})
 
 
 def strict_sync(device: torch.device) -> None:
@@ -60,7 +62,9 @@ def strict_sync(device: torch.device) -> None:
         torch.cuda.set_sync_debug_mode("error")
 
 
-def producer_main(conn, device: str, layers: int, num_blocks: int, ids: list[int], staging: int) -> None:
+def producer_main(
+    conn, device: str, layers: int, num_blocks: int, ids: list[int], staging: int, register: bool
+) -> None:
     dev = torch.device(device)
     if dev.type != "cpu":
         torch.accelerator.set_device_index(dev.index or 0)
@@ -68,7 +72,7 @@ def producer_main(conn, device: str, layers: int, num_blocks: int, ids: list[int
     ready = DeviceContext(dev).record_compute_event()  # the "forward pass" that wrote the blocks
     producer = KVProducer(cache, "check-prefill", max_chunk_bytes=CHUNK)
     producer.leases.add("check", ids, time.monotonic() + 3600, ready_event=ready)
-    server = serve_backends(BACKENDS, settings(staging), producer, "127.0.0.1", 0, dev.type)
+    server = serve_backends(BACKENDS, settings(staging, register), producer, "127.0.0.1", 0, dev.type)
     strict_sync(dev)
     conn.send(server.address)
     conn.recv()
@@ -92,7 +96,7 @@ def pull_once(client, local, src_ids, dst_ids) -> tuple[int, float]:
             torch.cuda.set_sync_debug_mode("default")
 
 
-def pair(device: str, tokens: int, layers: int, repeats: int, staging: int) -> dict:
+def pair(device: str, tokens: int, layers: int, repeats: int, staging: int, register: bool) -> dict:
     """One producer process, both backends pulled in turn, `repeats` rounds (the first a warm-up)."""
     num_blocks = -(-tokens // 16) + 8
     n = -(-tokens // 16)
@@ -101,7 +105,7 @@ def pair(device: str, tokens: int, layers: int, repeats: int, staging: int) -> d
     dst_ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, device, layers, num_blocks, src_ids, staging))
+    proc = ctx.Process(target=producer_main, args=(child, device, layers, num_blocks, src_ids, staging, register))
     proc.start()
     dev = torch.device(device)
     expected = make_cache("cpu", layers, num_blocks, seed=1)
@@ -109,7 +113,10 @@ def pair(device: str, tokens: int, layers: int, repeats: int, staging: int) -> d
     try:
         address = parent.recv()
         local = make_cache(device, layers, num_blocks, seed=None)
-        clients = {name: create_transport(name, settings(staging), dev.type).connect(address) for name in BACKENDS}
+        result["mooncake_read"] = "in place" if in_place(local.tensors, settings(staging, register)) else "staged"
+        clients = {
+            name: create_transport(name, settings(staging, register), dev.type).connect(address) for name in BACKENDS
+        }
         for client in clients.values():
             client.handshake(local.layout, "check-decode")
         times: dict[str, list[float]] = {name: [] for name in BACKENDS}
@@ -149,12 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report: dict = {"mooncake_unavailable": unavailable()}
     if report["mooncake_unavailable"] is None:
-        runs = [("cpu", args.staging_chunk_bytes[0])]  # host caches: read in place
+        sizes = args.staging_chunk_bytes
+        runs = [("cpu", sizes[0], True)]  # host caches: read in place
         if torch.accelerator.is_available():
             kind = torch.accelerator.current_accelerator().type
-            runs = [(f"{kind}:0", size) for size in args.staging_chunk_bytes] + runs
+            staged = [(f"{kind}:0", size, False) for size in sizes]
+            runs = staged + ([(f"{kind}:0", sizes[-1], True)] if registers(kind) else []) + runs
+        report["mooncake_build"] = build()
         report["pairs"] = [
-            pair(device, tokens, args.layers, args.repeats, size) for device, size in runs for tokens in args.tokens
+            pair(device, tokens, args.layers, args.repeats, size, register)
+            for device, size, register in runs
+            for tokens in args.tokens
         ]
     text = json.dumps(report, indent=2)
     sys.stdout.write(text + "\n")

@@ -91,6 +91,14 @@ class MooncakeSettings(_Section):
     device_name: str = Field(
         "", description="rdma: the NIC(s) to use, e.g. 'mlx5_0' (empty: Mooncake picks by topology)."
     )
+    device_memory: Literal["auto", "register", "stage"] = Field(
+        "auto",
+        description="Device caches (CUDA, NPU): register: Mooncake reads and writes them in place "
+        "where its build can (its CUDA and NPU wheels; else staged); stage: through registered "
+        "host slots; auto: register with rdma (GPUDirect), stage with tcp (Mooncake's TCP "
+        "transport copies device memory through the host itself, and the event-synced staging "
+        "was faster: bench/results/2026-12-04-device-checks.md).",
+    )
     staging_chunk_bytes: int = Field(
         32 << 20,
         ge=4096,

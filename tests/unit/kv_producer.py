@@ -32,7 +32,7 @@ def settings(**overrides) -> KVTransferSettings:
         secret=SECRET,
         max_chunk_bytes=CHUNK,
         pull_timeout_seconds=20,
-        mooncake={"staging_chunk_bytes": STAGING_CHUNK},
+        mooncake={"staging_chunk_bytes": STAGING_CHUNK, **overrides.pop("mooncake", {})},
         **overrides,
     )
 

@@ -17,7 +17,8 @@ from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
-from pdcluster.kv_transfer.transports.mooncake_engine import MAX_BATCH, descriptors, unavailable
+from pdcluster.kv_transfer.transports.mooncake import in_place
+from pdcluster.kv_transfer.transports.mooncake_engine import MAX_BATCH, build, descriptors, registers, unavailable
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
 
@@ -96,6 +97,19 @@ def test_one_descriptor_per_run_of_blocks_consecutive_on_both_sides():
     assert descriptors([1], [2], [3], [], []) == ([], [], [])
     with pytest.raises(KVTransferError, match="2 producer blocks for 1 consumer blocks"):
         descriptors([1], [2], [3], [1, 2], [1])
+
+
+def test_device_memory_is_read_in_place_only_with_a_build_that_registers_it():
+    """The lock file's wheel is Mooncake's non-CUDA build: host caches in place, CUDA and NPU
+    caches staged (its CUDA and NPU wheels register device memory: the H200 check)."""
+    assert build() == "mooncake-transfer-engine-non-cuda"
+    assert registers("cpu") and not registers("cuda") and not registers("npu")
+    host = make_cache().tensors
+    assert in_place(host, settings())
+    assert not in_place(make_cache(strided=True).tensors, settings())
+    on_device = [t.to("meta") for t in host]  # a device this build cannot read
+    for choice in ("auto", "register", "stage"):
+        assert not in_place(on_device, settings(mooncake={"device_memory": choice}))
 
 
 def sink_for(consumer, dst_ids, after_chunk=None) -> CacheSink:

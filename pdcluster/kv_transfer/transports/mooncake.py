@@ -8,18 +8,21 @@ connection, not in every request. The consumer registers its own memory once, on
 
 A pull is one `MooncakeRead` call on the authenticated gRPC channel (control stays there), in
 one of two modes the consumer picks:
-- in place (host caches on both sides, layers contiguous rows): the producer takes the lease
-  (protocol, layout digest, block ids, lease checked as for every backend) and answers `ready`;
+- in place (both caches in memory Mooncake registers, layers contiguous rows: host caches, and
+  device caches with Mooncake's CUDA or NPU build where `mooncake.device_memory` says register:
+  by default with rdma): the producer takes the lease (protocol, layout digest, block ids, lease checked as for
+  every backend), waits for the event of the forward pass that wrote the blocks, answers `ready`;
   the consumer reads every leased block in one batched transfer, one descriptor per contiguous
   run of blocks (on both sides) per layer, straight into its own blocks (no staging copy); then
   it tells the producer it is done and the producer lets go of the lease.
-- staged (a cache on a device, CUDA or NPU, on either side, or layers that are not contiguous
-  rows): the producer gathers the leased blocks chunk by chunk into registered host slots
+- staged (any other cache on either side: on a device with the non-CUDA build, or layers that
+  are not contiguous rows): the producer gathers the leased blocks chunk by chunk into registered host slots
   (staging.BlockGatherer: on a device an event-synced, non-blocking copy on a side stream that
   waits on the forward pass's event, the next chunk already in flight) and announces each
-  chunk's slot; the consumer reads it with one descriptor (into its cache's rows, a descriptor
-  per run of its blocks, for a host cache; else into a registered landing buffer whose bytes
-  its BlockScatterer copies to the device, event-synced) and says so, which frees the slot.
+  chunk's slot; the consumer reads it (into its cache's rows, a descriptor per run of its
+  blocks, where Mooncake can write its cache; else with one descriptor into a registered landing
+  buffer whose bytes its BlockScatterer copies to the device, event-synced) and says so, which
+  frees the slot.
 
 The producer holds the lease for the whole read, so its blocks cannot be freed while they are
 read. A read that fails or outlives the pull's deadline is a failed load (recomputed or failed
@@ -63,7 +66,13 @@ from pdcluster.kv_transfer.transports.base import (
 )
 from pdcluster.kv_transfer.transports.collective import local_address_towards
 from pdcluster.kv_transfer.transports.grpc_transport import SERVICE, GrpcClient, pull_errors_abort, translate
-from pdcluster.kv_transfer.transports.mooncake_engine import MooncakeEngine, descriptors, engine_for, unavailable
+from pdcluster.kv_transfer.transports.mooncake_engine import (
+    MooncakeEngine,
+    descriptors,
+    engine_for,
+    registers,
+    unavailable,
+)
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 
@@ -72,9 +81,26 @@ def address_of(data: memoryview) -> int:
     return np.frombuffer(data, dtype=np.uint8).ctypes.data
 
 
-def in_place(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether Mooncake can read these layers where they are: host memory, block rows contiguous."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+def in_place(tensors: Sequence[torch.Tensor], settings: KVTransferSettings) -> bool:
+    """Whether Mooncake reads and writes these layers where they are: block rows contiguous, in
+    host memory or in device memory this build registers (`mooncake.device_memory`)."""
+    kind, mooncake = tensors[0].device.type, settings.mooncake
+    register = mooncake.device_memory == "register" or (
+        mooncake.device_memory == "auto" and mooncake.protocol == "rdma"
+    )
+    device_ok = kind == "cpu" or (register and registers(kind))
+    return device_ok and all(t.is_contiguous() for t in tensors)
+
+
+def cache_regions(sink: ChunkSink, settings: KVTransferSettings) -> list[tuple[int, int, int]] | None:
+    """Per layer (address, bytes, bytes per block) of the sink's whole cache where Mooncake can
+    write it in place, else None (a sink that is not a cache's: plain callables)."""
+    if not isinstance(sink, CacheSink):
+        return None
+    cache = sink.scatterer.cache
+    if not in_place(cache.tensors, settings):
+        return None
+    return [(t.data_ptr(), t.numel() * t.element_size(), row) for t, row in zip(cache.tensors, cache.block_bytes)]
 
 
 class MooncakeExtension(ServerExtension):
@@ -94,15 +120,24 @@ class MooncakeExtension(ServerExtension):
             advertised = socket.gethostbyname(socket.gethostname())
         self.engine = engine_for("producer", advertised, settings)
         self._addresses: list[int] = []
-        if in_place(cache.tensors):
-            self.engine.register([(t.data_ptr(), t.numel() * t.element_size()) for t in cache.tensors])
+        self._regions: list[tuple[int, int]] = []  # what this server registered, for close()
+        if in_place(cache.tensors, settings):
+            self._register([(t.data_ptr(), t.numel() * t.element_size()) for t in cache.tensors])
             self._addresses = [t.data_ptr() for t in cache.tensors]
         self._gatherers: Pool[BlockGatherer] = Pool(self._registered_gatherer)
 
+    def _register(self, regions: list[tuple[int, int]]) -> None:
+        self.engine.register(regions)
+        self._regions.extend(regions)
+
     def _registered_gatherer(self) -> BlockGatherer:
         gatherer = BlockGatherer(self.producer.cache, self.staging_chunk_bytes)
-        self.engine.register([(s.host.data_ptr(), s.host.numel()) for s in gatherer.slots])
+        self._register([(s.host.data_ptr(), s.host.numel()) for s in gatherer.slots])
         return gatherer
+
+    def close(self) -> None:
+        self.engine.unregister(self._regions)
+        self._regions.clear()
 
     def handshake_fields(self) -> dict:
         return {
@@ -132,6 +167,8 @@ class MooncakeExtension(ServerExtension):
                 if first.staged:
                     yield from self._staged(pull, lease.ready_event, requests)
                 else:
+                    if lease.ready_event is not None:
+                        lease.ready_event.synchronize()  # the forward pass wrote the device blocks
                     yield pb.MooncakeReadProgress(ready=True)
                     done = next(requests, None)  # the consumer's reads ended, or its call did
                     if done is not None and done.done and not done.error:
@@ -170,6 +207,7 @@ class MooncakeClient(GrpcClient):
         self._handshaken: tuple[KVLayout, str] | None = None
         self._stale = False
         self._landing: Pool[torch.Tensor] | None = None
+        self._landed: list[tuple[MooncakeEngine, torch.Tensor]] = []  # landing buffers, for close()
         # A new session: the producer restarted, so its transfer engine and cache addresses are
         # new too; the next pull asks for them again (the hook runs under the session's lock).
         self.control.on_new_session.append(self._forget_regions)
@@ -205,7 +243,7 @@ class MooncakeClient(GrpcClient):
 
     def _pull_once(self, request: pb.PullRequest, block_ids: Sequence[int], sink: ChunkSink, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        regions = sink.host_regions() if isinstance(sink, CacheSink) else None
+        regions = cache_regions(sink, self.settings)
         self.control.session()  # a new session (the producer restarted) marks its regions stale
         session, remote_bases = self._producer_regions(staged=regions is None)
         engine = engine_for("consumer", local_address_towards(session.rpartition(":")[0]), self.settings)
@@ -312,10 +350,17 @@ class MooncakeClient(GrpcClient):
             def landing() -> torch.Tensor:
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
                 engine.register([(buffer.data_ptr(), nbytes)])
+                self._landed.append((engine, buffer))
                 return buffer
 
             self._landing = Pool(landing)
         return self._landing
+
+    def close(self) -> None:
+        for engine, buffer in self._landed:
+            engine.unregister([(buffer.data_ptr(), buffer.numel())])
+        self._landed.clear()
+        super().close()
 
 
 class MooncakeTransport(Transport):

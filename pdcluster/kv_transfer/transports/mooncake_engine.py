@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import importlib.util
 import logging
 import math
@@ -37,10 +38,31 @@ MAX_BATCH = 2048
 POLL_S = (0.0001, 0.001)
 
 
+# Mooncake's builds that read and write device memory in place (the `mooncake` package's
+# distribution name, normalized); the non-CUDA build registers host memory only.
+DEVICE_BUILDS = {
+    "cuda": ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13"),
+    "npu": ("mooncake-transfer-engine-npu",),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def build() -> str:
+    """The distribution that installed Mooncake's `mooncake` package ('' where none says so)."""
+    names = importlib.metadata.packages_distributions().get("mooncake", [])
+    return names[0].lower().replace("_", "-") if names else ""
+
+
+def registers(device_kind: str) -> bool:
+    """Whether this process's Mooncake build reads and writes `device_kind` memory in place."""
+    return device_kind == "cpu" or build() in DEVICE_BUILDS.get(device_kind, ())
+
+
 @functools.lru_cache(maxsize=1)
 def unavailable() -> str | None:
     """Why this process cannot run the mooncake backend (None: it can). Host caches are read in
-    place, device caches (CUDA, NPU) through host slots (staging.py), so only the engine counts."""
+    place, device caches (CUDA, NPU) in place where the build registers device memory and else
+    through host slots (staging.py), so only the engine counts."""
     if importlib.util.find_spec("mooncake") is None:
         return "Mooncake's transfer engine is not installed (mooncake-transfer-engine-non-cuda)"
     for library in ("libibverbs.so.1", "librdmacm.so.1"):
@@ -99,6 +121,15 @@ class MooncakeEngine:
             if rc != 0:
                 raise KVTransferError(f"Mooncake could not register {len(new)} KV cache regions: code {rc}")
             self._registered.update(new)
+
+    def unregister(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Forget regions whose memory is about to be freed (a closed client's landing buffers, a
+        stopped server's cache and slots): registered memory stays pinned on RDMA NICs."""
+        with self._lock:
+            for region in regions:
+                if region in self._registered:
+                    self.engine.unregister_memory(region[0])
+                    self._registered.discard(region)
 
     def read(
         self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
