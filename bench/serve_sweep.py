@@ -55,6 +55,7 @@ from bench.common import (  # noqa: E402
 from bench.serve import (  # noqa: E402
     DIAGNOSTIC_SETUPS,
     SETUPS,
+    WARM_UP_SEED,
     WORKLOADS,
     add_client_args,
     client_settings,
@@ -74,17 +75,21 @@ from bench.stalls import table as stall_table  # noqa: E402
 SCALES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)
 STALL_PAIR = SLOS[1]  # (T 1000, S 50): the pair whose misses are stalls alone (bench/stalls.py)
 ATTAINED = 0.9  # "meets the SLO" at a rate: this share of requests within the first SLO pair
+POINT_SEED = 100  # seed offset per point of a setup's life; below WARM_UP_SEED for up to 9 scales
 CLIENT = "vllm bench serve (client)"
 
 
-def scaled(workload: dict, scale: float, quick: bool = False, min_requests: int = 0) -> dict:
+def scaled(workload: dict, scale: float, quick: bool = False, min_requests: int = 0, point: int = 0) -> dict:
     """The workload's streams at `scale` times their rates and requests; all streams' requests
     multiplied alike until the decode-side one has `min_requests` (the same rates, a longer
-    window); then a quarter of them for a --quick smoke run."""
+    window); then a quarter of them for a --quick smoke run. `point`: which of a setup's points
+    this is (its scale's index): each point asks its own prompts (seeds + POINT_SEED x point),
+    since a prompt an earlier point sent would hit the prefix cache that point filled."""
     out = copy.deepcopy(workload)
     for stream in out["streams"].values():
         stream["rate"] = round(stream["rate"] * scale, 3)
         stream["prompts"] = max(4, round(stream["prompts"] * scale))
+        stream["seed"] += POINT_SEED * point
     factor = math.ceil(min_requests / out["streams"][out["itl_stream"]]["prompts"])
     for stream in out["streams"].values():
         stream["prompts"] *= max(1, factor)
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-warm-up", action="store_true", help="measure from the setup's first request")
     add_client_args(parser)
     args = parser.parse_args(argv)
+    if POINT_SEED * len(args.scales) > WARM_UP_SEED:
+        parser.error(f"at most {WARM_UP_SEED // POINT_SEED} scales: later points would replay the warm-up's prompts")
     client_settings(args)
     raw: dict = {}
     notes: dict[str, str] = {}
@@ -215,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                         lowest = {n: scaled(WORKLOADS[n], min(args.scales)) for n in args.workloads}
                         warm_up(endpoint, lowest, workdir, setup)
                     for name in args.workloads:
-                        for scale in args.scales:
-                            workload = scaled(WORKLOADS[name], scale, args.quick, args.min_requests)
+                        for index, scale in enumerate(args.scales):
+                            workload = scaled(WORKLOADS[name], scale, args.quick, args.min_requests, index)
                             before, cpu_before, t0 = scrape(endpoint), cpu_snapshot(), time.monotonic()
                             stolen = psutil.cpu_times().steal
                             results = run_workload(endpoint, workload, workdir, f"{setup}-{name}-{scale}")

@@ -57,6 +57,22 @@ def test_sweep_points_hold_enough_requests_at_the_same_rates():
     assert point["requests"] == 9 and point["repeats"] == 3
 
 
+def test_each_point_of_a_setups_life_asks_its_own_prompts():
+    """A setup serves every scale of a sweep in one life: a point that replayed an earlier
+    point's prompts (same seeds) would hit the prefix cache that point filled (sweep run 31's
+    second scale: the long prompts' TTFT p50 95 ms against 525 ms at the first)."""
+    from bench.serve import WARM_UP_SEED, WORKLOADS
+    from bench.serve_sweep import scaled
+
+    workload = WORKLOADS["interference"]
+    points = [scaled(workload, scale, point=i) for i, scale in enumerate((0.15, 0.3, 0.6))]
+    for name, stream in workload["streams"].items():
+        seeds = [p["streams"][name]["seed"] for p in points]
+        assert seeds[0] == stream["seed"]  # the first point: the workload's own prompts
+        assert len(set(seeds)) == len(seeds)
+        assert stream["seed"] + WARM_UP_SEED not in seeds  # nor the warm-up's
+
+
 def test_stalls_that_hold_several_streams_at_once_are_one_event():
     """Late gaps that overlap in time are one engine stall; each event is set against what the
     cluster was doing then (a long request's handoff or prefill, a local prefill), and the
