@@ -18,7 +18,14 @@ from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.mooncake import in_place
-from pdcluster.kv_transfer.transports.mooncake_engine import MAX_BATCH, build, descriptors, registers, unavailable
+from pdcluster.kv_transfer.transports.mooncake_engine import (
+    MAX_BATCH,
+    build,
+    descriptors,
+    engine_for,
+    registers,
+    unavailable,
+)
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
 
@@ -110,6 +117,21 @@ def test_device_memory_is_read_in_place_only_with_a_build_that_registers_it():
     on_device = [t.to("meta") for t in host]  # a device this build cannot read
     for choice in ("auto", "register", "stage"):
         assert not in_place(on_device, settings(mooncake={"device_memory": choice}))
+
+
+def test_a_region_stays_registered_until_its_last_holder_lets_go():
+    """Two servers over one cache in one process (a KV server restarted before the old one
+    closed): the old one's close must not unregister what the new one serves."""
+    engine = engine_for("producer", "127.0.0.1", settings())
+    buffer = torch.empty(1 << 16, dtype=torch.uint8)
+    region = [(buffer.data_ptr(), buffer.numel())]
+    old, new = object(), object()
+    engine.register(region, old)
+    engine.register(region, new)
+    engine.unregister(region, old)
+    assert region[0] in engine._registered
+    engine.unregister(region, new)
+    assert region[0] not in engine._registered
 
 
 def sink_for(consumer, dst_ids, after_chunk=None) -> CacheSink:

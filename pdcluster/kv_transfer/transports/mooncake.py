@@ -127,7 +127,7 @@ class MooncakeExtension(ServerExtension):
         self._gatherers: Pool[BlockGatherer] = Pool(self._registered_gatherer)
 
     def _register(self, regions: list[tuple[int, int]]) -> None:
-        self.engine.register(regions)
+        self.engine.register(regions, self)
         self._regions.extend(regions)
 
     def _registered_gatherer(self) -> BlockGatherer:
@@ -136,7 +136,7 @@ class MooncakeExtension(ServerExtension):
         return gatherer
 
     def close(self) -> None:
-        self.engine.unregister(self._regions)
+        self.engine.unregister(self._regions, self)
         self._regions.clear()
 
     def handshake_fields(self) -> dict:
@@ -349,7 +349,7 @@ class MooncakeClient(GrpcClient):
 
             def landing() -> torch.Tensor:
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
-                engine.register([(buffer.data_ptr(), nbytes)])
+                engine.register([(buffer.data_ptr(), nbytes)], self)
                 self._landed.append((engine, buffer))
                 return buffer
 
@@ -358,7 +358,7 @@ class MooncakeClient(GrpcClient):
 
     def close(self) -> None:
         for engine, buffer in self._landed:
-            engine.unregister([(buffer.data_ptr(), buffer.numel())])
+            engine.unregister([(buffer.data_ptr(), buffer.numel())], self)
         self._landed.clear()
         super().close()
 

@@ -102,34 +102,41 @@ class MooncakeEngine:
         if rc != 0:
             raise KVTransferError(f"Mooncake's transfer engine did not start on {host} ({self.protocol}): code {rc}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
-        self._registered: set[tuple[int, int]] = set()
+        # Registered (address, bytes) regions -> who holds them (None: this process's own cache,
+        # registered on each pull and never let go), so one holder's close leaves another's.
+        self._registered: dict[tuple[int, int], set[object]] = {}
         self._lock = threading.Lock()
         self._peers: dict[str, threading.Lock] = {}  # one batch in flight per peer (MAX_BATCH)
         logger.info("Mooncake transfer engine %s (%s)", self.session, self.protocol)
 
-    def register(self, regions: Sequence[tuple[int, int]]) -> None:
-        """Register (address, bytes) regions not registered yet; a registered region a new one
-        overlaps belonged to a cache that is gone (its memory reused): it is unregistered."""
+    def register(self, regions: Sequence[tuple[int, int]], holder: object = None) -> None:
+        """Register (address, bytes) regions for `holder`; a registered region a new one overlaps
+        belonged to memory that is gone (reused since): it is unregistered."""
         with self._lock:
             new = [region for region in regions if region not in self._registered]
-            if not new:
-                return
             for old in [r for r in self._registered if any(_overlap(r, region) for region in new)]:
                 self.engine.unregister_memory(old[0])
-                self._registered.discard(old)
-            rc = self.engine.batch_register_memory([a for a, _ in new], [n for _, n in new])
-            if rc != 0:
-                raise KVTransferError(f"Mooncake could not register {len(new)} KV cache regions: code {rc}")
-            self._registered.update(new)
+                del self._registered[old]
+            if new:
+                rc = self.engine.batch_register_memory([a for a, _ in new], [n for _, n in new])
+                if rc != 0:
+                    raise KVTransferError(f"Mooncake could not register {len(new)} KV cache regions: code {rc}")
+            for region in regions:
+                self._registered.setdefault(region, set()).add(holder)
 
-    def unregister(self, regions: Sequence[tuple[int, int]]) -> None:
-        """Forget regions whose memory is about to be freed (a closed client's landing buffers, a
-        stopped server's cache and slots): registered memory stays pinned on RDMA NICs."""
+    def unregister(self, regions: Sequence[tuple[int, int]], holder: object) -> None:
+        """`holder` lets go of regions whose memory it is about to free (a closed client's landing
+        buffers, a stopped server's cache and slots); the last holder's release unregisters them
+        (registered memory stays pinned on RDMA NICs)."""
         with self._lock:
             for region in regions:
-                if region in self._registered:
+                holders = self._registered.get(region)
+                if holders is None:
+                    continue
+                holders.discard(holder)
+                if not holders:
                     self.engine.unregister_memory(region[0])
-                    self._registered.discard(region)
+                    del self._registered[region]
 
     def read(
         self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
