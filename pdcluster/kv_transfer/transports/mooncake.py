@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -50,7 +51,7 @@ import torch
 
 from pdcluster.addresses import binds_every_address
 from pdcluster.errors import HandshakeError, KVTransferError
-from pdcluster.kv_transfer.kv_cache import Chunk
+from pdcluster.kv_transfer.kv_cache import Chunk, chunk_plan
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import KVLayout, ProducerInfo
 from pdcluster.kv_transfer.settings import KVTransferSettings
@@ -207,6 +208,7 @@ class MooncakeClient(GrpcClient):
         self._handshaken: tuple[KVLayout, str] | None = None
         self._stale = False
         self._landing: Pool[torch.Tensor] | None = None
+        self._landing_lock = threading.Lock()  # concurrent first pulls make one pool
         self._landed: list[tuple[MooncakeEngine, torch.Tensor]] = []  # landing buffers, for close()
         # A new session: the producer restarted, so its transfer engine and cache addresses are
         # new too; the next pull asks for them again (the hook runs under the session's lock).
@@ -247,6 +249,8 @@ class MooncakeClient(GrpcClient):
         self.control.session()  # a new session (the producer restarted) marks its regions stale
         session, remote_bases = self._producer_regions(staged=regions is None)
         engine = engine_for("consumer", local_address_towards(session.rpartition(":")[0]), self.settings)
+        if regions is not None:  # our cache, written in place in either mode (registered once)
+            engine.register([(address, nbytes) for address, nbytes, _ in regions])
         staged = regions is None or not remote_bases
         if staged:  # chunks travel through registered slots, not gRPC messages
             copy = pb.PullRequest()
@@ -276,7 +280,6 @@ class MooncakeClient(GrpcClient):
 
     def _read_in_place(self, engine, session, remote_bases, call, outbox, block_ids, sink, deadline, regions) -> int:
         """Every leased block in one batched read from the producer's cache into ours."""
-        engine.register([(address, nbytes) for address, nbytes, _ in regions])
         rows = [row for _, _, row in regions]
         local, remote, lengths = descriptors([a for a, _, _ in regions], remote_bases, rows, block_ids, sink.block_ids)
         ready = next(call, None)
@@ -296,8 +299,6 @@ class MooncakeClient(GrpcClient):
         """Chunk by chunk out of the producer's slots: into our cache's rows (host cache) or a
         landing buffer the sink copies from (device cache), each read acknowledged at once so
         the producer refills the slot while we land the chunk."""
-        if regions is not None:
-            engine.register([(address, nbytes) for address, nbytes, _ in regions])
         total = 0
         grace = self.settings.connect_timeout_seconds
         with contextlib.ExitStack() as stack:
@@ -334,27 +335,29 @@ class MooncakeClient(GrpcClient):
         """Hand a landed chunk to the sink in pieces of at most `max_chunk_bytes` (the size of
         the scatterer's slots, which the staging chunk may exceed)."""
         row = chunk.nbytes // chunk.count
-        per = max(1, self.settings.max_chunk_bytes // row)
-        for start in range(0, chunk.count, per):
-            count = min(per, chunk.count - start)
-            piece = landing[start * row : (start + count) * row]
-            sink(Chunk(chunk.layer_index, chunk.first + start, count, count * row), memoryview(piece.numpy()))
+        for piece in chunk_plan([row], chunk.count, self.settings.max_chunk_bytes):
+            data = landing[piece.first * row : piece.first * row + piece.nbytes]
+            sink(
+                Chunk(chunk.layer_index, chunk.first + piece.first, piece.count, piece.nbytes), memoryview(data.numpy())
+            )
 
     def _landing_pool(self, engine: MooncakeEngine) -> Pool[torch.Tensor]:
         """Host buffers (registered once each) as large as the largest chunk a pull asks for."""
-        if self._landing is None:
-            assert self._remote_layout is not None
-            cap = self.settings.mooncake.staging_chunk_bytes
-            nbytes = max(max(1, cap // layer.block_bytes) * layer.block_bytes for layer in self._remote_layout.layers)
+        with self._landing_lock:
+            if self._landing is None:
+                assert self._remote_layout is not None
+                cap = self.settings.mooncake.staging_chunk_bytes
+                layers = self._remote_layout.layers
+                nbytes = max(max(1, cap // layer.block_bytes) * layer.block_bytes for layer in layers)
 
-            def landing() -> torch.Tensor:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
-                engine.register([(buffer.data_ptr(), nbytes)], self)
-                self._landed.append((engine, buffer))
-                return buffer
+                def landing() -> torch.Tensor:
+                    buffer = torch.empty(nbytes, dtype=torch.uint8)
+                    engine.register([(buffer.data_ptr(), nbytes)], self)
+                    self._landed.append((engine, buffer))
+                    return buffer
 
-            self._landing = Pool(landing)
-        return self._landing
+                self._landing = Pool(landing)
+            return self._landing
 
     def close(self) -> None:
         for engine, buffer in self._landed:
