@@ -107,6 +107,21 @@ class MooncakeSettings(_Section):
         "largest chunk gathered into one registered host slot, read with one descriptor (the "
         "producer keeps two slots per concurrent pull, the consumer one landing buffer).",
     )
+    in_place_min_run_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Host caches: read a pull in place only where its runs of blocks consecutive on "
+        "both sides average at least this many bytes per layer; shorter runs (a fragmented "
+        "cache: one descriptor per block and layer) are read staged, gathered into chunks of one "
+        "descriptor each, and scattered on arrival. Default: 1 MiB with tcp (Mooncake's TCP "
+        "transport pays per descriptor), 0 with rdma (NICs take small descriptors at line rate).",
+    )
+
+    def run_floor(self) -> int:
+        """`in_place_min_run_bytes` in effect for this protocol."""
+        if self.in_place_min_run_bytes is not None:
+            return self.in_place_min_run_bytes
+        return 1 << 20 if self.protocol == "tcp" else 0
 
 
 class KVTransferSettings(_Section):

@@ -32,7 +32,9 @@ def settings(**overrides) -> KVTransferSettings:
         secret=SECRET,
         max_chunk_bytes=CHUNK,
         pull_timeout_seconds=20,
-        mooncake={"staging_chunk_bytes": STAGING_CHUNK, **overrides.pop("mooncake", {})},
+        # Blocks here are 1 KiB a layer, every run short of TCP's in-place floor: mooncake reads in
+        # place unless a test asks for the floor (test_mooncake's short-run test).
+        mooncake={"staging_chunk_bytes": STAGING_CHUNK, "in_place_min_run_bytes": 0, **overrides.pop("mooncake", {})},
         **overrides,
     )
 

@@ -3,7 +3,7 @@ producer and consumer in two processes: byte-exact pulls read in place and stage
 layers are not contiguous rows takes the staged read a device cache takes:
 tools/kv_mooncake_device_check.py runs it on CUDA), one descriptor per run of blocks, a producer
 without Mooncake named with both sides, a stalled producer and a failing read are failed loads,
-and the producer holds the lease for the whole read."""
+the producer holds the lease for the whole read, and short runs of blocks are read staged."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
-from pdcluster.kv_transfer.transports.mooncake import in_place
+from pdcluster.kv_transfer.transports.mooncake import in_place, mean_run_bytes
 from pdcluster.kv_transfer.transports.mooncake_engine import (
     MAX_BATCH,
     build,
@@ -80,6 +80,44 @@ def test_a_cache_not_readable_in_place_is_read_staged_exactly(
     consumer, nbytes = pull("mooncake", address, "req-b", dst_ids, direct=direct, strided=consumer_strided)
     assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
     assert_copied(consumer, "req-b", dst_ids)
+
+
+@pytest.mark.parametrize(
+    ("floor", "request_id", "dst_ids", "mode"),
+    [
+        (None, "req-b", [59 - i for i in range(20)], "landed"),  # tcp's 1 MiB; runs of 1 KiB
+        (0, "req-b", [59 - i for i in range(20)], "in_place"),
+        (4096, "req-b", list(range(40, 60)), "in_place"),  # one run of 20 KiB a layer
+        (4096, "req-a", list(range(40, 45)), "staged"),  # producer's runs 1/3/1; ours one of 5 KiB
+    ],
+    ids=["default-scattered", "floor-0", "long-run", "short-producer-runs"],
+)
+def test_short_runs_are_read_staged_and_scattered_only_where_short(producer_process, floor, request_id, dst_ids, mode):
+    """Over TCP Mooncake pays per descriptor, and a fragmented cache makes one per block and
+    layer: a pull whose runs (consecutive on both sides) average under the floor is gathered into
+    chunks on the producer, read one descriptor a chunk, straight into our rows where our own
+    runs reach the floor, else into a landing buffer scattered into our blocks."""
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    client = create_transport("mooncake", settings(mooncake={"in_place_min_run_bytes": floor})).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        client.pull(request_id, REQUESTS[request_id], sink_for(consumer, dst_ids), engine_id="d", timeout_s=20)
+        assert dict(client.reads) == {mode: 1}
+    finally:
+        client.close()
+    assert_copied(consumer, request_id, dst_ids)
+
+
+def test_the_in_place_floor_is_mean_bytes_per_descriptor_and_off_with_rdma():
+    rows = [1024, 3072]  # 2 KiB a block on average
+    assert mean_run_bytes(rows, [3, 4, 5, 9], [10, 11, 12, 13]) == 4 * 2048 / 2
+    assert mean_run_bytes(rows, [3, 4, 5, 9]) == 4 * 2048 / 2
+    assert mean_run_bytes(rows, [1, 2, 3], [7, 6, 5]) == 2048
+    assert mean_run_bytes(rows, []) == float("inf")
+    assert settings(mooncake={"in_place_min_run_bytes": None}).mooncake.run_floor() == 1 << 20
+    assert settings(mooncake={"in_place_min_run_bytes": None, "protocol": "rdma"}).mooncake.run_floor() == 0
+    assert settings(mooncake={"in_place_min_run_bytes": 5, "protocol": "rdma"}).mooncake.run_floor() == 5
 
 
 def test_unknown_request_is_not_found(producer_process):

@@ -16,13 +16,15 @@ one of two modes the consumer picks:
   run of blocks (on both sides) per layer, straight into its own blocks (no staging copy); then
   it tells the producer it is done and the producer lets go of the lease.
 - staged (any other cache on either side: on a device with the non-CUDA build, or layers that
-  are not contiguous rows): the producer gathers the leased blocks chunk by chunk into registered host slots
+  are not contiguous rows; and a pull whose runs of blocks are short, `in_place_min_run_bytes`:
+  over TCP Mooncake pays per descriptor, and a fragmented cache makes one per block and layer):
+  the producer gathers the leased blocks chunk by chunk into registered host slots
   (staging.BlockGatherer: on a device an event-synced, non-blocking copy on a side stream that
   waits on the forward pass's event, the next chunk already in flight) and announces each
   chunk's slot; the consumer reads it (into its cache's rows, a descriptor per run of its
-  blocks, where Mooncake can write its cache; else with one descriptor into a registered landing
-  buffer whose bytes its BlockScatterer copies to the device, event-synced) and says so, which
-  frees the slot.
+  blocks, where Mooncake can write its cache and its blocks' runs are long; else with one
+  descriptor into a registered landing buffer whose bytes its BlockScatterer copies into its
+  blocks, on a device event-synced) and says so, which frees the slot.
 
 The producer holds the lease for the whole read, so its blocks cannot be freed while they are
 read. A read that fails or outlives the pull's deadline is a failed load (recomputed or failed
@@ -39,10 +41,12 @@ never picks it with `kv_transfer.tls`, and the README's threat model says so.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -91,6 +95,18 @@ def in_place(tensors: Sequence[torch.Tensor], settings: KVTransferSettings) -> b
     )
     device_ok = kind == "cpu" or (register and registers(kind))
     return device_ok and all(t.is_contiguous() for t in tensors)
+
+
+def mean_run_bytes(row_bytes: Sequence[int], *id_lists: Sequence[int]) -> float:
+    """Bytes per descriptor (averaged over the layers) of a read of these blocks, one per run
+    consecutive in every list (inf for no blocks)."""
+    arrays = [np.asarray(ids, dtype=np.int64) for ids in id_lists]
+    if not len(arrays[0]):
+        return math.inf
+    breaks = np.zeros(len(arrays[0]) - 1, dtype=bool)
+    for ids in arrays:
+        breaks |= np.diff(ids) != 1
+    return len(arrays[0]) / (1 + int(breaks.sum())) * sum(row_bytes) / len(row_bytes)
 
 
 def cache_regions(sink: ChunkSink, settings: KVTransferSettings) -> list[tuple[int, int, int]] | None:
@@ -210,6 +226,7 @@ class MooncakeClient(GrpcClient):
         self._landing: Pool[torch.Tensor] | None = None
         self._landing_lock = threading.Lock()  # concurrent first pulls make one pool
         self._landed: list[tuple[MooncakeEngine, torch.Tensor]] = []  # landing buffers, for close()
+        self.reads: Counter[str] = Counter()  # pulls by how they were read: in_place, staged, landed
         # A new session: the producer restarted, so its transfer engine and cache addresses are
         # new too; the next pull asks for them again (the hook runs under the session's lock).
         self.control.on_new_session.append(self._forget_regions)
@@ -252,6 +269,13 @@ class MooncakeClient(GrpcClient):
         if regions is not None:  # our cache, written in place in either mode (registered once)
             engine.register([(address, nbytes) for address, nbytes, _ in regions])
         staged = regions is None or not remote_bases
+        if regions is not None and self.handshake_reply.mooncake_staging:
+            rows, floor = [row for _, _, row in regions], self.settings.mooncake.run_floor()
+            # Short runs: gathered into chunks on the producer (one descriptor each) ...
+            staged = staged or mean_run_bytes(rows, block_ids, sink.block_ids) < floor
+            if staged and mean_run_bytes(rows, sink.block_ids) < floor:
+                regions = None  # ... and landed whole, then scattered into our blocks
+        self.reads["in_place" if not staged else "staged" if regions is not None else "landed"] += 1
         if staged:  # chunks travel through registered slots, not gRPC messages
             copy = pb.PullRequest()
             copy.CopyFrom(request)
