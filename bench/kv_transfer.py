@@ -11,7 +11,9 @@ hosts (network namespaces, see bench/kv_transfer_hosts.py), next to a raw TCP st
 Transports: grpc; shm (direct cross-process copies where the OS allows, as the connector does);
 shm with --shm-ring (forces the shared-memory ring: gather into slots, scatter out, pipelined);
 collective (gloo point-to-point on CPU); mooncake (Mooncake's transfer engine, TCP: the consumer
-reads the producer's registered cache into its own). Several at once (`--transport grpc
+reads the producer's registered cache into its own, in place where the runs of blocks are long,
+else staged: gathered into chunks of one descriptor each); mooncake-in-place and mooncake-staged
+(the same backend always reading in place, what it did before, or always staged). Several at once (`--transport grpc
 mooncake`): one producer serves them all, each round of repeats pulls once through each in
 turn, and the memcpy, staging and ceilings are timed once per token count for all of them.
 Results: bench/results/<date>-kv-transfer-<transports joined by '-'>[-cross-host].{json,md},
@@ -19,7 +21,7 @@ a row per token count and transport, with its ratio to grpc's when grpc is in th
 issues' targets are reported met or missed; they never fail the run.
 
 Usage: python bench/kv_transfer.py [--tokens 1024 8192 32768] [--repeats 5]
-       [--transport grpc|shm|collective|mooncake [...]] [--shm-ring]
+       [--transport grpc|shm|collective|mooncake[-in-place|-staged] [...]] [--shm-ring]
        [--cross-host (root; not shm)]
 """
 
@@ -53,7 +55,11 @@ from pdcluster.kv_transfer.transports import create_transport, serve_backends  #
 from pdcluster.kv_transfer.transports.base import CacheSink  # noqa: E402
 
 SECRET = "bench-secret"
-TRANSPORTS = ("grpc", "shm", "collective", "mooncake")
+TRANSPORTS = ("grpc", "shm", "collective", "mooncake", "mooncake-in-place", "mooncake-staged")
+VARIANTS = {  # name -> (backend, its mooncake settings): one backend's read modes side by side
+    "mooncake-in-place": ("mooncake", {"in_place_min_run_bytes": 0}),
+    "mooncake-staged": ("mooncake", {"in_place_min_run_bytes": 1 << 60}),
+}
 ROUNDS = (
     "median of repeats (each round pulls once through each transport in turn, each pull followed "
     "by one memcpy; the memcpy median is over all of a token count's pulls)"
@@ -108,10 +114,18 @@ def pull_plan(args) -> tuple[int, dict[str, list[int]]]:
     return num_blocks, requests
 
 
-def transport_settings(args) -> KVTransferSettings:
+def backend_of(transport: str) -> str:
+    return VARIANTS.get(transport, (transport, {}))[0]
+
+
+def transport_settings(args, transport: str = "grpc") -> KVTransferSettings:
     """This side's transport settings: bound to and advertised on its own address."""
     return KVTransferSettings(
-        secret=args.secret, max_chunk_bytes=args.chunk_bytes, bind_host=args.host, advertise_host=args.host
+        secret=args.secret,
+        max_chunk_bytes=args.chunk_bytes,
+        bind_host=args.host,
+        advertise_host=args.host,
+        mooncake=VARIANTS.get(transport, (transport, {}))[1],
     )
 
 
@@ -124,7 +138,8 @@ def serving(args, num_blocks: int, requests: dict[str, list[int]]):
     producer = KVProducer(cache, "bench-prefill", max_chunk_bytes=args.chunk_bytes)
     for request_id, ids in requests.items():
         producer.leases.add(request_id, ids, time.monotonic() + 3600)
-    server = serve_backends(args.transports, transport_settings(args), producer, args.host, 0)
+    backends = list(dict.fromkeys(backend_of(t) for t in args.transports))
+    server = serve_backends(backends, transport_settings(args), producer, args.host, 0)
     raw = raw_grpc_server(args.chunk_bytes, f"{args.host}:0") if "grpc" in args.transports else None
     try:
         yield server.address, raw[1] if raw else None
@@ -299,7 +314,8 @@ class Consumer:
         try:
             for transport in args.transports:
                 name = result_name(args, transport)
-                self.clients[name] = create_transport(transport, transport_settings(args)).connect(address)
+                settings = transport_settings(args, transport)
+                self.clients[name] = create_transport(backend_of(transport), settings).connect(address)
                 self.clients[name].handshake(self.local.layout, "bench-decode")
                 # A plain callable sink never offers the cache for direct copies: shm uses its ring.
                 self.sinks[name] = self.scatterer.write if name == "shm-ring" else CacheSink(self.scatterer)
@@ -398,8 +414,9 @@ def run_pulls(
                 "grpc": time_raw_grpc(raw_address, nbytes, args.chunk_bytes, args.repeats) if raw_address else None
             }
             ceiling_s.update({name: timer(nbytes) for name, timer in (ceilings or {}).items()})
-            for name in consumer.clients:
+            for name, client in consumer.clients.items():
                 transfer_s = times.get(name)
+                reads = getattr(client, "reads", None)  # mooncake: its pulls by read mode so far
                 row = {
                     "tokens": tokens,
                     "bytes": nbytes,
@@ -413,7 +430,10 @@ def run_pulls(
                     "ratio_to_memcpy": over(memcpy_s, transfer_s),
                     "ratio_to_grpc": over(times.get("grpc"), transfer_s),
                     "cpu_cores_busy": cpu.get(name),
+                    "read_modes": dict(reads) if reads is not None else None,
                 }
+                if reads is not None:
+                    reads.clear()  # each row counts its own pulls
                 for ceiling, seconds in ceiling_s.items():
                     row[f"raw_{ceiling}_GBps"] = over(nbytes / 1e9, seconds)
                     row[f"ratio_to_raw_{ceiling}"] = over(seconds, transfer_s)

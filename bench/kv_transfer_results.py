@@ -31,9 +31,15 @@ HOW = {
     "consumer scatters earlier chunks out of it (2 copies per byte, pipelined on 2 processes).",
     "collective": "collective: gloo send/recv on a pair group over {net}, gather into and "
     "scatter out of double buffers; gRPC carries control only.",
-    "mooncake": "mooncake: the consumer reads the leased blocks from the producer's registered cache "
-    "straight into its own with Mooncake's transfer engine over {net} (one batched read, a "
-    "descriptor per run of blocks per layer, no staging copy); gRPC carries control and the lease.",
+    "mooncake": "mooncake: the consumer reads the leased blocks with Mooncake's transfer engine over "
+    "{net}: where the runs of blocks average >= 1 MiB a layer, straight from the producer's "
+    "registered cache into its own (one batched read, a descriptor per run of blocks per layer); "
+    "shorter runs staged: the producer gathers them into registered chunks (32 MiB), each read "
+    "with one descriptor and scattered into the consumer's blocks; gRPC carries control and the lease.",
+    "mooncake-in-place": "mooncake-in-place: the mooncake backend always reading in place (a "
+    "descriptor per run of blocks per layer, however short), as before staged reads of short runs.",
+    "mooncake-staged": "mooncake-staged: the mooncake backend always reading staged into a landing buffer "
+    "and scattering, however long the runs.",
 }
 LOOPBACK = "127.0.0.1 TCP"  # HOW's {net} on one host
 CEILINGS = {"grpc": "raw gRPC", "tcp": "raw TCP"}  # row key raw_<name>_GBps -> column label
@@ -161,14 +167,24 @@ def write_results(args, rows: list[dict], method: str, label=None, net=LOOPBACK,
     lines += [f"  {HOW[n].format(net=net)}" for n in names]
     if versus_grpc:
         lines.append("- transfer / grpc: the grpc backend's median pull time over this one's, same tokens, same run.")
-    if "mooncake" in names:
+    if any(n.startswith("mooncake") for n in names):
         runs = {r["tokens"]: r["block_runs"] for r in rows}
         lines.append(
-            "- mooncake: one descriptor per layer and run of blocks consecutive on both sides, all in one batch: "
-            + ", ".join(f"{runs[t] * args.layers} at {t} tokens" for t in runs)
-            + "."
+            "- mooncake read in place: one descriptor per layer and run of blocks consecutive on both sides, "
+            "all in one batch: " + ", ".join(f"{runs[t] * args.layers} at {t} tokens" for t in runs) + "."
         )
-    if any(r["error"] and r["transport"] == "mooncake" and r["block_runs"] * args.layers > 2048 for r in rows):
+        modes = [
+            f"{r['transport']} at {r['tokens']} tokens: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["read_modes"].items()))
+            for r in rows
+            if r.get("read_modes")
+        ]
+        if modes:
+            lines.append(
+                "- how each mooncake pull was read (in_place; staged: chunks read into the consumer's rows; "
+                "landed: chunks read into a landing buffer and scattered): " + "; ".join(modes) + "."
+            )
+    if any(r["error"] and r["transport"].startswith("mooncake") and r["block_runs"] * args.layers > 2048 for r in rows):
         lines.append(
             "  Its failed pulls had more than 2048 descriptors: Mooncake 0.3.13's TCP transport queues at most "
             "2048 per peer, logs `TCP lane queue-full rejection` for the rest and fails the whole batch."
