@@ -7,7 +7,10 @@ ADDRESS`; each side's stdin is a socket to this process, which sends it the run'
 relays the control messages (the producer's addresses, the CPU-time asks, the consumer's rows).
 Both sides bind and advertise their host's address. The producer also runs a raw TCP sender, and
 the consumer times it (same byte count, one plain socket, host 1 to host 2) next to each pull and
-its memcpy: the ceiling the network path between the hosts allows. shm is not measured: it moves
+its memcpy: the ceiling the network path between the hosts allows. With a mooncake transport the
+producer also registers a buffer with its transfer engine, and the consumer times Mooncake's own
+best case (the same byte count read in 256 MiB single-descriptor reads into a registered buffer):
+the ceiling any use of Mooncake's TCP transport can reach there. shm is not measured: it moves
 bytes within one host only. Needs root. Results:
 bench/results/<date>-kv-transfer-<transports joined by '-'>-cross-host.{json,md}.
 """
@@ -40,10 +43,12 @@ from bench.kv_transfer import (  # noqa: E402
 )
 from bench.kv_transfer_results import write_results  # noqa: E402
 from pdcluster.kv_transfer.kv_cache import huge_pages  # noqa: E402
+from pdcluster.kv_transfer.transports.mooncake_engine import engine_for  # noqa: E402
 from tests.support.hosts import Host, make_hosts  # noqa: E402
 
 SCRIPT = ROOT / "bench" / "kv_transfer.py"
 SENDER_BUFFER = 256 << 20  # raw TCP: the sender cycles through this many random bytes
+MOONCAKE_READ = 256 << 20  # raw Mooncake: one descriptor per read of at most this many bytes
 READY_S = 300  # a side's caches are made and its servers listen within this
 STEP_S = 1800  # the longest a side may stay silent between two control messages
 METHOD = (
@@ -78,6 +83,54 @@ def tcp_sender(host: str, chunk_bytes: int):
         yield f"{host}:{listener.getsockname()[1]}"
     finally:
         listener.close()
+
+
+@contextlib.contextmanager
+def mooncake_source(args):
+    """Raw Mooncake, producer side: MOONCAKE_READ random bytes registered with this side's
+    transfer engine (the KV server's own). Yields (session, address), or None without mooncake."""
+    if not any(t.startswith("mooncake") for t in args.transports):
+        yield None
+        return
+    from bench.kv_transfer import transport_settings
+
+    engine = engine_for("producer", args.host, transport_settings(args))
+    buffer = torch.empty(MOONCAKE_READ, dtype=torch.uint8).random_()
+    region = [(buffer.data_ptr(), MOONCAKE_READ)]
+    engine.register(region, buffer)
+    try:
+        yield engine.session, buffer.data_ptr()
+    finally:
+        engine.unregister(region, buffer)
+
+
+class MooncakeReader:
+    """Raw Mooncake, consumer side: reads n bytes out of the producer's buffer into a registered
+    destination of n bytes on 2 MiB pages, one descriptor per MOONCAKE_READ."""
+
+    def __init__(self, args, source: tuple[str, int]):
+        from bench.kv_transfer import transport_settings
+
+        self.session, self.remote = source
+        self.engine = engine_for("consumer", args.host, transport_settings(args))
+
+    def time(self, nbytes: int, repeats: int) -> float:
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        huge_pages([dst])
+        region = [(dst.data_ptr(), nbytes)]
+        self.engine.register(region, dst)
+        reads = [(offset, min(MOONCAKE_READ, nbytes - offset)) for offset in range(0, nbytes, MOONCAKE_READ)]
+        local = [dst.data_ptr() + offset for offset, _ in reads]
+        times = []
+        try:
+            for _ in range(repeats + 1):  # the first warms the engine's connections
+                t0 = time.perf_counter()
+                for address, (_, n) in zip(local, reads):
+                    self.engine.read(self.session, [address], [self.remote], [n], time.monotonic() + 600, 60)
+                times.append(time.perf_counter() - t0)
+        finally:
+            self.engine.unregister(region, dst)
+        return statistics.median(times[1:])
 
 
 class TcpReceiver:
@@ -115,13 +168,20 @@ def role_main(args) -> int:
     args.secret = conn.recv()
     num_blocks, requests = pull_plan(args)
     if args.role == "producer":
-        with serving(args, num_blocks, requests) as (address, raw_grpc), tcp_sender(args.host, args.chunk_bytes) as tcp:
-            conn.send((address, raw_grpc, tcp))  # ready: every server listens
+        with (
+            serving(args, num_blocks, requests) as (address, raw_grpc),
+            tcp_sender(args.host, args.chunk_bytes) as tcp,
+            mooncake_source(args) as mooncake,
+        ):
+            conn.send((address, raw_grpc, tcp, mooncake))  # ready: every server listens
             answer_rusage(conn)
         return 0
-    address, raw_grpc, tcp = conn.recv()
+    address, raw_grpc, tcp, mooncake = conn.recv()
     with contextlib.closing(TcpReceiver(tcp)) as receiver:
         ceilings = {"tcp": lambda nbytes: receiver.time(nbytes, args.repeats)}
+        if mooncake is not None:
+            reader = MooncakeReader(args, mooncake)
+            ceilings["mooncake"] = lambda nbytes: reader.time(nbytes, args.repeats)
         rows = run_pulls(args, address, raw_grpc, num_blocks, requests, conn, ceilings)
     conn.send(rows)
     return 0
@@ -189,6 +249,15 @@ def cross_host_main(args, argv: list[str]) -> int:
             "- raw TCP: the same byte count through one plain TCP socket from host 1 to host 2",
             f"  ({args.chunk_bytes >> 20} MiB sendall slices of a {SENDER_BUFFER >> 20} MiB buffer, recv_into a "
             "destination of the full size on 2 MiB pages), no framing: the network path's ceiling.",
+            *(
+                [
+                    "- raw Mooncake: the same byte count read with Mooncake's transfer engine (the KV server's "
+                    f"own on host 1) in single-descriptor reads of up to {MOONCAKE_READ >> 20} MiB from one "
+                    "registered buffer into a registered destination on 2 MiB pages: Mooncake's best case."
+                ]
+                if any(t.startswith("mooncake") for t in args.transports)
+                else []
+            ),
             f"- producer on {hosts['producer']['address']} ({host1.name}), consumer on "
             f"{hosts['consumer']['address']} ({host2.name}), KV server (control, every transport) "
             f"{addresses[0]}; host 1 put {sent / 2**30:.1f} GiB on the bridge during the run.",

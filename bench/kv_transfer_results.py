@@ -42,7 +42,7 @@ HOW = {
     "and scattering, however long the runs.",
 }
 LOOPBACK = "127.0.0.1 TCP"  # HOW's {net} on one host
-CEILINGS = {"grpc": "raw gRPC", "tcp": "raw TCP"}  # row key raw_<name>_GBps -> column label
+CEILINGS = {"grpc": "raw gRPC", "tcp": "raw TCP", "mooncake": "raw Mooncake"}  # row key raw_<name>_GBps -> column label
 COLUMNS = {"ratio_to_memcpy": "transfer / memcpy", "ratio_to_grpc": "transfer / grpc"}  # target row keys
 
 
