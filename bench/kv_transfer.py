@@ -53,6 +53,7 @@ from pdcluster.kv_transfer.settings import KVTransferSettings  # noqa: E402
 from pdcluster.kv_transfer.staging import BlockGatherer, BlockScatterer  # noqa: E402
 from pdcluster.kv_transfer.transports import create_transport, serve_backends  # noqa: E402
 from pdcluster.kv_transfer.transports.base import CacheSink  # noqa: E402
+from pdcluster.kv_transfer.transports.mooncake_engine import run_starts  # noqa: E402
 
 SECRET = "bench-secret"
 TRANSPORTS = ("grpc", "shm", "collective", "mooncake", "mooncake-in-place", "mooncake-staged")
@@ -380,8 +381,7 @@ class Consumer:
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> int:
     """Runs of blocks consecutive on both sides (mooncake reads one descriptor per run per layer)."""
-    pairs = zip(src_ids, src_ids[1:], dst_ids, dst_ids[1:])
-    return 1 + sum(1 for s0, s1, d0, d1 in pairs if s1 != s0 + 1 or d1 != d0 + 1)
+    return len(run_starts(src_ids, dst_ids))
 
 
 def over(a: float | None, b: float | None) -> float | None:

@@ -40,6 +40,7 @@ from bench.kv_transfer import (  # noqa: E402
     pull_plan,
     run_pulls,
     serving,
+    transport_settings,
 )
 from bench.kv_transfer_results import write_results  # noqa: E402
 from pdcluster.kv_transfer.kv_cache import huge_pages  # noqa: E402
@@ -92,8 +93,6 @@ def mooncake_source(args):
     if not any(t.startswith("mooncake") for t in args.transports):
         yield None
         return
-    from bench.kv_transfer import transport_settings
-
     engine = engine_for("producer", args.host, transport_settings(args))
     buffer = torch.empty(MOONCAKE_READ, dtype=torch.uint8).random_()
     region = [(buffer.data_ptr(), MOONCAKE_READ)]
@@ -109,8 +108,6 @@ class MooncakeReader:
     destination of n bytes on 2 MiB pages, one descriptor per MOONCAKE_READ."""
 
     def __init__(self, args, source: tuple[str, int]):
-        from bench.kv_transfer import transport_settings
-
         self.session, self.remote = source
         self.engine = engine_for("consumer", args.host, transport_settings(args))
 

@@ -76,6 +76,7 @@ from pdcluster.kv_transfer.transports.mooncake_engine import (
     descriptors,
     engine_for,
     registers,
+    run_starts,
     unavailable,
 )
 from pdcluster.protos import kv_transfer_pb2 as pb
@@ -100,13 +101,9 @@ def in_place(tensors: Sequence[torch.Tensor], settings: KVTransferSettings) -> b
 def mean_run_bytes(row_bytes: Sequence[int], *id_lists: Sequence[int]) -> float:
     """Bytes per descriptor (averaged over the layers) of a read of these blocks, one per run
     consecutive in every list (inf for no blocks)."""
-    arrays = [np.asarray(ids, dtype=np.int64) for ids in id_lists]
-    if not len(arrays[0]):
+    if not len(id_lists[0]):
         return math.inf
-    breaks = np.zeros(len(arrays[0]) - 1, dtype=bool)
-    for ids in arrays:
-        breaks |= np.diff(ids) != 1
-    return len(arrays[0]) / (1 + int(breaks.sum())) * sum(row_bytes) / len(row_bytes)
+    return len(id_lists[0]) / len(run_starts(*id_lists)) * sum(row_bytes) / len(row_bytes)
 
 
 def cache_regions(sink: ChunkSink, settings: KVTransferSettings) -> list[tuple[int, int, int]] | None:
@@ -320,9 +317,10 @@ class MooncakeClient(GrpcClient):
         return total
 
     def _read_staged(self, engine, session, remote_bases, call, outbox, block_ids, sink, deadline, regions) -> int:
-        """Chunk by chunk out of the producer's slots: into our cache's rows (host cache) or a
-        landing buffer the sink copies from (device cache), each read acknowledged at once so
-        the producer refills the slot while we land the chunk."""
+        """Chunk by chunk out of the producer's slots: into our cache's rows (`regions`: a host
+        cache whose runs of blocks are long) or a landing buffer the sink copies from (a device
+        cache, or short runs), each read acknowledged at once so the producer refills the slot
+        while we land the chunk."""
         total = 0
         grace = self.settings.connect_timeout_seconds
         with contextlib.ExitStack() as stack:

@@ -191,6 +191,16 @@ def engine_for(role: str, host: str, settings: KVTransferSettings) -> MooncakeEn
         return _engines[key]
 
 
+def run_starts(*id_lists: Sequence[int]) -> np.ndarray:
+    """Where each run of blocks consecutive in every list begins (indexes into the lists, which
+    are as long as each other and not empty): one Mooncake descriptor per run and layer."""
+    arrays = [np.asarray(ids, dtype=np.int64) for ids in id_lists]
+    breaks = np.zeros(len(arrays[0]) - 1, dtype=bool)
+    for ids in arrays:
+        breaks |= np.diff(ids) != 1
+    return np.concatenate(([0], np.flatnonzero(breaks) + 1))
+
+
 def descriptors(
     local_bases: Sequence[int],
     remote_bases: Sequence[int],
@@ -206,7 +216,7 @@ def descriptors(
         raise KVTransferError(f"{len(src)} producer blocks for {len(dst)} consumer blocks")
     if not len(src):
         return [], [], []
-    starts = np.concatenate(([0], np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1))
+    starts = run_starts(src, dst)
     runs = np.diff(np.concatenate((starts, [len(src)])))
     local, remote, lengths = [], [], []
     for local_base, remote_base, row in zip(local_bases, remote_bases, row_bytes):
