@@ -260,8 +260,12 @@ def test_an_engine_threads_schedstat_grows_while_it_runs():
     if not os.path.exists(f"/proc/{me[0]}/task/{me[1]}/schedstat"):
         pytest.skip("this kernel keeps no per-thread schedstat")
     before, _ = thread_times([me])
-    end = time.perf_counter() + 0.05
-    while time.perf_counter() < end:
-        pass
-    after, _ = thread_times([me])
+    # Spin until the thread was on a CPU for 20 ms by the kernel's count (or 10 s passed): a fixed
+    # 50 ms of wall time got only 15 ms of CPU while the other test lane kept both cores busy.
+    after, deadline = before, time.perf_counter() + 10
+    while after - before < 0.02 and time.perf_counter() < deadline:
+        end = time.perf_counter() + 0.01
+        while time.perf_counter() < end:
+            pass
+        after, _ = thread_times([me])
     assert after - before >= 0.02
