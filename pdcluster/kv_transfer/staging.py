@@ -190,8 +190,12 @@ class BlockGatherer:
         ready_event: torch.Event | None = None,
         max_chunk_bytes: int | None = None,
         into: Callable[[Chunk], memoryview] | None = None,
+        keep_previous: bool = False,
     ) -> Iterator[tuple[Chunk, memoryview]]:
-        """Yield (chunk, bytes) in plan order. Each memoryview is valid until the next yield.
+        """Yield (chunk, bytes) in plan order. Each memoryview is valid until the generator is
+        resumed after its yield; with `keep_previous` (and two slots or more) until it is resumed
+        after the next one, so the caller may gather the next chunk while the last one's bytes
+        are still being read out of its slot (one chunk fewer in flight on an accelerator).
 
         With `into`, each chunk is written into the buffer `into(chunk)` returns (exactly
         chunk.nbytes long) and that buffer is yielded: on CPU the blocks are gathered straight
@@ -200,9 +204,14 @@ class BlockGatherer:
         plan = self.cache.chunk_plan(len(block_ids), max_chunk_bytes or self.max_chunk_bytes)
         if not plan:
             return
+        n = len(self.slots)
+        if keep_previous and n < 2:
+            raise ValueError("keep_previous needs a gatherer with two slots or more")
         if not self.ctx.is_accelerator:
-            slot = self.slots[0]
-            for chunk in plan:
+            # A synchronous gather, just before its chunk is handed out: into the next slot
+            # when the previous chunk must stay readable, else always into the first.
+            for i, chunk in enumerate(plan):
+                slot = self.slots[i % n if keep_previous else 0]
                 target = into(chunk) if into is not None else None
                 self._gather(slot, chunk, block_ids, None, target)
                 yield chunk, target if target is not None else memoryview(slot.host[: chunk.nbytes].numpy())
@@ -211,11 +220,14 @@ class BlockGatherer:
             if ready_event is not None:
                 self.ctx.stream.wait_event(ready_event)  # blocks written by the forward pass
             ids_dev = self.ctx.index_tensor(block_ids)
-        n = len(self.slots)
-        # Keep up to n chunks in flight; hand out the oldest once its own event completes.
-        for i, chunk in enumerate(plan[:n]):
-            self._gather(self.slots[i], chunk, block_ids, ids_dev)
+        # Up to `depth` chunks in flight; hand out the oldest once its own event completes. A
+        # slot is refilled only when the chunk it held may no longer be read.
+        depth = n - 1 if keep_previous else n
+        gathered = 0
         for i, chunk in enumerate(plan):
+            while gathered < min(len(plan), i + depth):
+                self._gather(self.slots[gathered % n], plan[gathered], block_ids, ids_dev)
+                gathered += 1
             slot = self.slots[i % n]
             slot.wait()
             data = memoryview(slot.host[: chunk.nbytes].numpy())
@@ -224,9 +236,6 @@ class BlockGatherer:
                 target[:] = data
                 data = target
             yield chunk, data
-            nxt = i + n
-            if nxt < len(plan):
-                self._gather(slot, plan[nxt], block_ids, ids_dev)
 
 
 class BlockScatterer:

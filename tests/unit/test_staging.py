@@ -1,5 +1,6 @@
 """Staging on CPU: gather/scatter move exactly the requested blocks, chunked as planned."""
 
+import pytest
 import torch
 
 from pdcluster.kv_transfer.kv_cache import PagedKVCache, _merged_ranges
@@ -44,6 +45,30 @@ def test_chunking_bounds_each_message():
     assert all(c.nbytes <= 3 * block_bytes for c in plan)
     _, _, chunks = roundtrip(list(range(10)), list(range(20, 30)), 3 * block_bytes)
     assert chunks == len(plan)
+
+
+def test_keep_previous_leaves_the_last_chunk_readable_while_the_next_is_gathered():
+    """What the Mooncake producer relies on to gather chunk i+1 while a consumer reads chunk i."""
+    cache = make_cache()
+    ids = [5, 2, 40, 41, 7, 9]
+    block_bytes = cache.block_bytes[0]
+    chunks = BlockGatherer(cache, 2 * block_bytes).chunks(ids, max_chunk_bytes=2 * block_bytes, keep_previous=True)
+    previous = None
+    count = 0
+    for chunk, data in chunks:
+        if previous is not None:  # the chunk before this one, its view taken before this gather
+            last, view = previous
+            expected = cache.tensors[last.layer_index][ids[last.first : last.first + last.count]]
+            assert bytes(view) == expected.view(torch.uint8).numpy().tobytes()
+        previous = chunk, data
+        count += 1
+    assert count == len(cache.chunk_plan(len(ids), 2 * block_bytes)) > 2
+
+
+def test_keep_previous_needs_two_slots():
+    cache = make_cache()
+    with pytest.raises(ValueError, match="two slots"):
+        next(BlockGatherer(cache, 4 << 20, num_slots=1).chunks([1, 2], keep_previous=True))
 
 
 def test_chunk_smaller_than_a_block_still_moves_one_block():

@@ -192,13 +192,18 @@ class MooncakeExtension(ServerExtension):
     def _staged(
         self, pull: pb.PullRequest, ready_event: torch.Event | None, requests: Iterator[pb.MooncakeReadRequest]
     ) -> Iterator[pb.MooncakeReadProgress]:
-        """Announce each chunk once its slot holds it; the next waits until the consumer read it
-        (the gatherer refills a slot only after the chunk it handed out was read)."""
+        """Announce each chunk once its slot holds it, then gather the next one into the other
+        slot while the consumer reads it; a slot is refilled only after the chunk it held was
+        read (the gatherer keeps the previous chunk until it is asked for the one after)."""
         chunk_bytes = min(pull.max_chunk_bytes or self.staging_chunk_bytes, self.staging_chunk_bytes)
         with self._gatherers.get() as gatherer:
-            for chunk, data in gatherer.chunks(list(pull.block_ids), ready_event, chunk_bytes):
+            chunks = gatherer.chunks(list(pull.block_ids), ready_event, chunk_bytes, keep_previous=True)
+            current = next(chunks, None)
+            while current is not None:
+                chunk, data = current
                 header = pb.ChunkHeader(layer_index=chunk.layer_index, first_block=chunk.first, num_blocks=chunk.count)
                 yield pb.MooncakeReadProgress(chunk=header, chunk_address=address_of(data))
+                current = next(chunks, None)  # gRPC sent the announcement: gather while it is read
                 answer = next(requests, None)
                 if answer is None or not answer.chunk_read:
                     return  # the consumer failed (it says why) or went away
