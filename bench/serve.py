@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -61,10 +62,12 @@ from bench.common import (  # noqa: E402
     metric_samples,
     process_role,
     shipped_config,
+    status,
 )
 from bench.serve_report import report, summarize  # noqa: E402
 from bench.vllm_pd_proxy import vllm_pd_setup  # noqa: E402
 from pdcluster.config import RoleSection  # noqa: E402
+from pdcluster.keys import engine_http_token  # noqa: E402
 
 ENGINE_ARGS = {"enforce_eager": True, "max_num_seqs": 64, "max_num_batched_tokens": 4096}
 MAX_MODEL_LEN = 4096
@@ -106,6 +109,11 @@ def pdcluster_setup(
             "engine_args": ENGINE_ARGS,
         },
     }
+    # A secret of the bench's own, so that it can read the engines' vLLM metrics (engine_timings).
+    secret = secrets.token_hex(32)
+    secret_file = workdir / f"{name}.secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret)
     config = base_config(
         name,
         mode=mode,
@@ -117,10 +125,15 @@ def pdcluster_setup(
             **({"policy": policy} if policy else {}),
             **(router or {}),
         },
-        **({"kv_transfer": kv_transfer} if kv_transfer else {}),
+        kv_transfer={**(kv_transfer or {}), "secret_file": str(secret_file)},
     )
     with cluster(config, workdir) as endpoint:
-        yield endpoint
+        replicas = status(config, workdir)["replicas"]
+        ENGINES[endpoint] = (engine_http_token(secret), [(r["role"], r["url"]) for r in replicas if r["url"]])
+        try:
+            yield endpoint
+        finally:
+            ENGINES.pop(endpoint, None)
 
 
 def random_dataset(input_len: int, output_len: int) -> list[str]:
@@ -319,13 +332,41 @@ PROFILE_METRICS = (
 STALL_BUCKETS = ("0.08", "0.16")  # router ITL samples above these bucket bounds: stalls the router saw
 
 
+# vLLM's own request timings, as each engine's front end records them: arrival -> first token,
+# waiting in the scheduler's queue, and the scheduled steps up to the first token.
+ENGINE_TIMINGS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+ENGINES: dict[str, tuple[str, list[tuple[str, str]]]] = {}  # endpoint -> (engine token, [(role, url)])
+
+
+def engine_samples(endpoint: str) -> dict[str, float]:
+    """The sums and counts of ENGINE_TIMINGS per role, from the engines of a pdcluster setup."""
+    token, engines = ENGINES.get(endpoint, ("", []))
+    values: dict[str, float] = {}
+    wanted = {f"{metric}{end}": f"{key}{end}" for key, metric in ENGINE_TIMINGS.items() for end in ("_sum", "_count")}
+    for role, url in engines:
+        try:
+            text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+        except httpx.HTTPError:
+            continue
+        for name, _, value in metric_samples(text):
+            if name in wanted:
+                key = f"engine[{role}]:{wanted[name]}"
+                values[key] = values.get(key, 0.0) + value
+    return values
+
+
 def scrape(endpoint: str) -> dict[str, float]:
-    """pdcluster router metrics relevant to the TTFT profile (sums and counts)."""
+    """pdcluster router metrics relevant to the TTFT profile (sums and counts), and the engines'
+    own timings (engine_samples)."""
     try:
         text = httpx.get(endpoint + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    values: dict[str, float] = {}
+    values: dict[str, float] = engine_samples(endpoint)
     for name, labels, value in metric_samples(text):
         if name == "pdcluster_itl_seconds_bucket" and labels.get("le") in STALL_BUCKETS:
             values[f"itl_within_{labels['le']}"] = value
@@ -372,6 +413,12 @@ def profile(before: dict, after: dict) -> dict:
         # client (decode engine or router), not in the client's own reading
         "router_itl_samples": gaps,
         **{f"router_itl_over_{float(le) * 1e3:.0f}ms": gaps - delta(f"itl_within_{le}") for le in STALL_BUCKETS},
+        # per engine role, vLLM's own timings (ENGINE_TIMINGS): where the first token's time went
+        # inside the engine that computed it, next to the router's view above
+        "engine_ms": {
+            role: {key: mean(f"engine[{role}]:{key}") for key in ENGINE_TIMINGS}
+            for role in sorted({k[7:].split("]")[0] for k in after if k.startswith("engine[")})
+        },
         # disaggregated requests by path (pd, local_prefill, local_queue, decode), as status counts them
         "routes": {
             key.removeprefix(ROUTES)[1:-1]: n for key in after if key.startswith(ROUTES + "[") if (n := delta(key))

@@ -302,6 +302,7 @@ def report(raw: dict, notes: dict, args, wall_s: float, logs: Path) -> None:
         lines.append("")
         lines += others_table(medians, name, keys)
         lines += handoff_table(raw, name)
+        lines += ttft_table(raw, name)
         rows = [(setup, p["scale"], p["stalls"]) for setup, per in medians.items() for p in per.get(name, [])]
         lines += stall_table(rows, STALL_PAIR)
         png = RESULTS / f"{date}-serve-sweep-{name}.png"
@@ -369,6 +370,43 @@ def handoff_table(raw: dict, name: str) -> list[str]:
         r = run["router"]
         over = f"{r.get(HANDOFF_OVER) or 0:.0f} of {r.get('handoff_gaps') or 0:.0f}"
         lines.append(f"| {setup} | {run['scale']:g} | {run['repeat']} | {' | '.join(handoff_cells(r))} | {over} |")
+    return [*lines, ""]
+
+
+def ttft_table(raw: dict, name: str) -> list[str]:
+    """Where the first token's time went per repeat: the client's and the router's TTFT, the
+    router's prefill phase (P/D path), and vLLM's own timings in the engine that computed the
+    first token (prefill's on the P/D path, aggregated's otherwise; arrival at its front end ->
+    first token, of it waiting in its queue and its scheduled steps)."""
+    rows = [
+        (setup, run) for setup, per in raw.items() for run in per.get(name, []) if (run.get("router") or {}).get("engine_ms")
+    ]  # fmt: skip
+    if not rows:
+        return []
+    lines = [
+        "Where TTFT went per repeat (means, ms, except the client's median): the router's TTFT and prefill "
+        "phase (router -> prefill -> router, P/D path); in the engine that computed the first token (prefill "
+        "on the P/D path, else the aggregated replica), vLLM's own timings: arrival at its front end -> first "
+        "token, of it queued and in scheduled steps; the rest of the router's TTFT is the router and HTTP:",
+        "",
+        "| setup | scale | repeat | client TTFT p50 | router TTFT | prefill phase | engine | engine TTFT "
+        "| queued | steps | router TTFT - engine TTFT |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for setup, run in rows:
+        r = run["router"]
+        role = "prefill" if "prefill" in r["engine_ms"] else next(iter(r["engine_ms"]))
+        e = r["engine_ms"][role]
+        ttfts = [q["ttft_ms"] for q in run["requests"] if q["ttft_ms"] is not None]
+        client = statistics.median(ttfts) if ttfts else None
+        rest = (
+            None
+            if r.get("router_ttft_mean_ms") is None or e.get("ttft") is None
+            else r["router_ttft_mean_ms"] - e["ttft"]
+        )
+        cells = [fmt(client), fmt(r.get("router_ttft_mean_ms")), fmt(r.get("prefill_phase_mean_ms")), role,
+                 fmt(e.get("ttft")), fmt(e.get("queue")), fmt(e.get("prefill")), fmt(rest)]  # fmt: skip
+        lines.append(f"| {setup} | {run['scale']:g} | {run['repeat']} | {' | '.join(cells)} |")
     return [*lines, ""]
 
 

@@ -189,6 +189,42 @@ def test_the_sweep_shows_each_repeats_handoff_stages():
     assert "| 2.0 | 1.0 / 0.5 |" in rows[0] and "| 30.0 | 1.0 / 25.0 |" in rows[1]
 
 
+def test_the_sweep_takes_each_repeats_ttft_apart_in_the_engine_that_computed_it():
+    """vLLM's own timings per engine role (counters' differences), next to the router's: pd's row
+    reads the prefill engine's (its first token), aggregated's its replicas'; what the engine did
+    not see is the router and HTTP."""
+    from bench.serve import profile
+    from bench.serve_sweep import ttft_table
+
+    def counters(role_sums: dict[str, tuple[float, float, float]], n: float, router_ttft_s: float) -> dict:
+        out = {"pdcluster_ttft_seconds_sum": router_ttft_s * n, "pdcluster_ttft_seconds_count": n}
+        for role, (ttft, queue, steps) in role_sums.items():
+            for key, value in (("ttft", ttft), ("queue", queue), ("prefill", steps)):
+                out[f"engine[{role}]:{key}_sum"] = value * n
+                out[f"engine[{role}]:{key}_count"] = n
+        return out
+
+    before = counters({"prefill": (1.0, 0.0, 1.0), "decode": (1.0, 0.0, 1.0)}, 10, 2.0)
+    after = counters({"prefill": (0.025, 0.001, 0.02), "decode": (0.05, 0.01, 0.03)}, 20, 0.02)
+    for key in after:  # 10 more requests, each with the second set of timings
+        after[key] = before[key] + after[key] / 2
+    pd = profile(before, after)
+    assert pd["engine_ms"]["prefill"] == pytest.approx({"ttft": 25.0, "queue": 1.0, "prefill": 20.0})
+    assert pd["engine_ms"]["decode"]["ttft"] == pytest.approx(50.0)
+    agg = profile({}, counters({"aggregated": (0.03, 0.0, 0.02)}, 4, 0.04))
+    requests = [{"ttft_ms": t} for t in (10.0, 30.0, 50.0)]
+    raw = {
+        "pd": {"steady": [{"scale": 1.0, "repeat": 0, "router": pd, "requests": requests}]},
+        "aggregated": {"steady": [{"scale": 1.0, "repeat": 0, "router": agg, "requests": requests}]},
+        "vllm-pd": {"steady": [{"scale": 1.0, "repeat": 0, "router": profile({}, {}), "requests": requests}]},
+    }
+    rows = [line for line in ttft_table(raw, "steady") if line.startswith("| ") and not line.startswith("| setup")]
+    assert rows == [
+        "| pd | 1 | 0 | 30.0 | 20.0 | - | prefill | 25.0 | 1.0 | 20.0 | -5.0 |",
+        "| aggregated | 1 | 0 | 30.0 | 40.0 | - | aggregated | 30.0 | 0.0 | 20.0 | 10.0 |",
+    ]
+
+
 def test_tokens_that_come_with_the_first_count_as_gaps_of_zero():
     """A first chunk carrying two tokens: the second token's gap is 0, and the next chunk's gap
     is the next token's (it was read as the 1 -> 2 gap, and one token's gap went missing)."""
