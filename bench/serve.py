@@ -470,6 +470,17 @@ WORKLOADS = {
             "long": dict(input_len=1536, output_len=8, prompts=28, rate=1.0, seed=3),
         },
     },
+    # Diagnostic, no target: interference with long prompts twice as long, so that one long
+    # prefill outlasts the 100 ms gap of the first SLO pair on any machine (a 1536-token prefill
+    # takes ~100-500 ms on the 2-core VMs this runs on, so `interference` at S 100 measures the
+    # machine as much as the setup).
+    "interference-3k": {
+        "itl_stream": "decode",
+        "streams": {
+            "decode": dict(input_len=128, output_len=256, prompts=48, rate=1.5, seed=2),
+            "long": dict(input_len=3072, output_len=8, prompts=28, rate=1.0, seed=3),
+        },
+    },
     # Diagnostic, no target: the steady prompts at a rate where nothing queues, so TTFT shows
     # the fixed cost of the handoff rather than the prefill queue.
     "light": {
