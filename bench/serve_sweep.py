@@ -377,20 +377,25 @@ def ttft_table(raw: dict, name: str) -> list[str]:
     """Where the first token's time went per repeat: the client's and the router's TTFT, the
     router's prefill phase (P/D path), and vLLM's own timings in the engine that computed the
     first token (prefill's on the P/D path, aggregated's otherwise; arrival at its front end ->
-    first token, of it waiting in its queue and its scheduled steps)."""
+    first token, of it waiting in its queue and its scheduled steps). What the engine did not see
+    is compared over the same requests: the prefill phase less the prefill engine's TTFT (the
+    hop: HTTP both ways, the front end's work before arrival, the router reading the answer), or
+    for aggregated the router's TTFT less the engine's (the router's work and HTTP)."""
     rows = [
         (setup, run) for setup, per in raw.items() for run in per.get(name, []) if (run.get("router") or {}).get("engine_ms")
     ]  # fmt: skip
     if not rows:
         return []
     lines = [
-        "Where TTFT went per repeat (means, ms, except the client's median): the router's TTFT and prefill "
-        "phase (router -> prefill -> router, P/D path); in the engine that computed the first token (prefill "
-        "on the P/D path, else the aggregated replica), vLLM's own timings: arrival at its front end -> first "
-        "token, of it queued and in scheduled steps; the rest of the router's TTFT is the router and HTTP:",
+        "Where TTFT went per repeat (means, ms, except the client's median): the router's TTFT (every request) "
+        "and prefill phase (router -> prefill -> router, P/D path only); in the engine that computed the first "
+        "token (prefill on the P/D path, else the aggregated replica), vLLM's own timings: arrival at its front "
+        "end -> first token, of it queued and in scheduled steps; outside it, over the same requests: the prefill "
+        "phase less the prefill engine's TTFT (pd: HTTP both ways, the front end's work before arrival, the router "
+        "reading the answer), or the router's TTFT less the engine's (aggregated: the router's work and HTTP):",
         "",
         "| setup | scale | repeat | client TTFT p50 | router TTFT | prefill phase | engine | engine TTFT "
-        "| queued | steps | router TTFT - engine TTFT |",
+        "| queued | steps | outside the engine |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for setup, run in rows:
@@ -399,13 +404,10 @@ def ttft_table(raw: dict, name: str) -> list[str]:
         e = r["engine_ms"][role]
         ttfts = [q["ttft_ms"] for q in run["requests"] if q["ttft_ms"] is not None]
         client = statistics.median(ttfts) if ttfts else None
-        rest = (
-            None
-            if r.get("router_ttft_mean_ms") is None or e.get("ttft") is None
-            else r["router_ttft_mean_ms"] - e["ttft"]
-        )
+        whole = r.get("prefill_phase_mean_ms") if role == "prefill" else r.get("router_ttft_mean_ms")
+        outside = None if whole is None or e.get("ttft") is None else whole - e["ttft"]
         cells = [fmt(client), fmt(r.get("router_ttft_mean_ms")), fmt(r.get("prefill_phase_mean_ms")), role,
-                 fmt(e.get("ttft")), fmt(e.get("queue")), fmt(e.get("prefill")), fmt(rest)]  # fmt: skip
+                 fmt(e.get("ttft")), fmt(e.get("queue")), fmt(e.get("prefill")), fmt(outside)]  # fmt: skip
         lines.append(f"| {setup} | {run['scale']:g} | {run['repeat']} | {' | '.join(cells)} |")
     return [*lines, ""]
 

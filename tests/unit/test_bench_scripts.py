@@ -192,7 +192,8 @@ def test_the_sweep_shows_each_repeats_handoff_stages():
 def test_the_sweep_takes_each_repeats_ttft_apart_in_the_engine_that_computed_it():
     """vLLM's own timings per engine role (counters' differences), next to the router's: pd's row
     reads the prefill engine's (its first token), aggregated's its replicas'; what the engine did
-    not see is the router and HTTP."""
+    not see is taken over the same requests (pd: the prefill phase, not the router's TTFT, which
+    also covers the prompts decode computed)."""
     from bench.serve import profile
     from bench.serve_sweep import ttft_table
 
@@ -205,8 +206,10 @@ def test_the_sweep_takes_each_repeats_ttft_apart_in_the_engine_that_computed_it(
         return out
 
     before = counters({"prefill": (1.0, 0.0, 1.0), "decode": (1.0, 0.0, 1.0)}, 10, 2.0)
+    before.update(pdcluster_prefill_seconds_sum=10.0, pdcluster_prefill_seconds_count=10.0)
     after = counters({"prefill": (0.025, 0.001, 0.02), "decode": (0.05, 0.01, 0.03)}, 20, 0.02)
-    for key in after:  # 10 more requests, each with the second set of timings
+    after.update(pdcluster_prefill_seconds_sum=0.056 * 16, pdcluster_prefill_seconds_count=16.0)
+    for key in after:  # 10 more requests (8 of them through the prefill), each with the second timings
         after[key] = before[key] + after[key] / 2
     pd = profile(before, after)
     assert pd["engine_ms"]["prefill"] == pytest.approx({"ttft": 25.0, "queue": 1.0, "prefill": 20.0})
@@ -220,7 +223,7 @@ def test_the_sweep_takes_each_repeats_ttft_apart_in_the_engine_that_computed_it(
     }
     rows = [line for line in ttft_table(raw, "steady") if line.startswith("| ") and not line.startswith("| setup")]
     assert rows == [
-        "| pd | 1 | 0 | 30.0 | 20.0 | - | prefill | 25.0 | 1.0 | 20.0 | -5.0 |",
+        "| pd | 1 | 0 | 30.0 | 20.0 | 56.0 | prefill | 25.0 | 1.0 | 20.0 | 31.0 |",
         "| aggregated | 1 | 0 | 30.0 | 40.0 | - | aggregated | 30.0 | 0.0 | 20.0 | 10.0 |",
     ]
 
