@@ -26,6 +26,11 @@ computed by a tool we did not write:
   steady        short prompts at a steady Poisson rate
   interference  decode-heavy streams, while long prompts (>= 1.5k tokens) arrive concurrently
                 (two `vllm bench serve` runs at once; ITL is read from the decode-heavy one)
+  interference-3k  the same with 3072-token long prompts (diagnostic): one long prefill outlasts
+                S = 100 ms on every machine we ran, where a 1536-token one may not (~100 ms here)
+  light         the steady prompts at 0.5 req/s (diagnostic): TTFT without a queue
+The engines' own vLLM timings (TTFT at the front end, queue, scheduled steps) are read from their
+authenticated /metrics with a secret of the bench's own; the sweep takes TTFT apart with them.
 Writes bench/results/<date>-serve.{md,json} and TTFT/ITL CDF plots (PNG): bench/serve_report.py.
 
 Usage: python bench/serve.py [--setups pd aggregated vllm-pd pd-classic] [--workloads steady interference light] [--quick]
