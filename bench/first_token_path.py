@@ -28,7 +28,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import TEXT_IDS, machine, rotated, stream_completion, write_results  # noqa: E402
-from bench.serve import profile, scrape, start_setup  # noqa: E402
+from bench.serve import start_setup  # noqa: E402
+from bench.serve_profile import profile, scrape  # noqa: E402
 
 SETUPS = ("pd", "pd-behind", "pd-classic")
 PROMPT_LEN, OUTPUT_LEN = 1536, 8  # the interference workload's long prompts (bench/serve.py)

@@ -59,15 +59,12 @@ from bench.serve import (  # noqa: E402
     WORKLOADS,
     add_client_args,
     client_settings,
-    cpu_profile,
-    cpu_snapshot,
-    profile,
     quarter,
     run_workload,
-    scrape,
     start_setup,
     warm_up,
 )
+from bench.serve_profile import cpu_profile, cpu_snapshot, profile, scrape  # noqa: E402
 from bench.serve_report import fmt, handoff_cells, summarize  # noqa: E402
 from bench.stalls import summary as stall_summary  # noqa: E402
 from bench.stalls import table as stall_table  # noqa: E402

@@ -133,7 +133,7 @@ def test_the_load_generator_gets_its_priority_across_sessions(tmp_path, monkeypa
 
 def test_the_router_profile_counts_routes_per_point():
     """A point's routes are the router's decisions during it (counters' differences), by path."""
-    from bench.serve import profile
+    from bench.serve_profile import profile
 
     before = {"pdcluster_route_decisions_total[pd]": 5.0, "pdcluster_route_decisions_total[local_prefill]": 2.0}
     after = dict(before, **{"pdcluster_route_decisions_total[pd]": 9.0})
@@ -145,7 +145,7 @@ def test_the_sweep_reads_the_first_token_paths_own_stream():
     """The workload's other stream (interference: the long prompts, on the P/D path) is read per
     request: when token 2 came is TTFT plus the 1 -> 2 gap, over every repeat; the router's handoff
     gaps over the budget are summed."""
-    from bench.serve import profile
+    from bench.serve_profile import profile
     from bench.serve_sweep import median_points, point
 
     workload = {"itl_stream": "decode", "streams": {"decode": {"rate": 1.0}, "long": {"rate": 1.0}}}
@@ -171,7 +171,7 @@ def test_the_sweep_reads_the_first_token_paths_own_stream():
 def test_the_sweep_shows_each_repeats_handoff_stages():
     """Per repeat, from the cluster's counters: a repeat whose pulls waited for a CPU stands out;
     a setup without pulls (aggregated) has no row."""
-    from bench.serve import profile
+    from bench.serve_profile import profile
     from bench.serve_sweep import handoff_table
 
     def run(repeat, pull_s, runqueue_s):
@@ -194,7 +194,7 @@ def test_the_sweep_takes_each_repeats_ttft_apart_in_the_engine_that_computed_it(
     reads the prefill engine's (its first token), aggregated's its replicas'; what the engine did
     not see is taken over the same requests (pd: the prefill phase, not the router's TTFT, which
     also covers the prompts decode computed)."""
-    from bench.serve import profile
+    from bench.serve_profile import profile
     from bench.serve_sweep import ttft_table
 
     def counters(role_sums: dict[str, tuple[float, float, float]], n: float, router_ttft_s: float) -> dict:
