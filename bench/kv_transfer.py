@@ -115,8 +115,17 @@ def pull_plan(args) -> tuple[int, dict[str, list[int]]]:
     return num_blocks, requests
 
 
+def variant(transport: str) -> tuple[str, dict]:
+    """The backend a transport name runs and its mooncake settings (VARIANTS; else itself, none)."""
+    return VARIANTS.get(transport, (transport, {}))
+
+
 def backend_of(transport: str) -> str:
-    return VARIANTS.get(transport, (transport, {}))[0]
+    return variant(transport)[0]
+
+
+def uses_mooncake(transports) -> bool:
+    return any(backend_of(t) == "mooncake" for t in transports)
 
 
 def transport_settings(args, transport: str = "grpc") -> KVTransferSettings:
@@ -126,7 +135,7 @@ def transport_settings(args, transport: str = "grpc") -> KVTransferSettings:
         max_chunk_bytes=args.chunk_bytes,
         bind_host=args.host,
         advertise_host=args.host,
-        mooncake=VARIANTS.get(transport, (transport, {}))[1],
+        mooncake=variant(transport)[1],
     )
 
 

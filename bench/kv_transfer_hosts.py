@@ -41,6 +41,7 @@ from bench.kv_transfer import (  # noqa: E402
     run_pulls,
     serving,
     transport_settings,
+    uses_mooncake,
 )
 from bench.kv_transfer_results import write_results  # noqa: E402
 from pdcluster.kv_transfer.kv_cache import huge_pages  # noqa: E402
@@ -90,7 +91,7 @@ def tcp_sender(host: str, chunk_bytes: int):
 def mooncake_source(args):
     """Raw Mooncake, producer side: MOONCAKE_READ random bytes registered with this side's
     transfer engine (the KV server's own). Yields (session, address), or None without mooncake."""
-    if not any(t.startswith("mooncake") for t in args.transports):
+    if not uses_mooncake(args.transports):
         yield None
         return
     engine = engine_for("producer", args.host, transport_settings(args))
@@ -252,7 +253,7 @@ def cross_host_main(args, argv: list[str]) -> int:
                     f"own on host 1) in single-descriptor reads of up to {MOONCAKE_READ >> 20} MiB from one "
                     "registered buffer into a registered destination on 2 MiB pages: Mooncake's best case."
                 ]
-                if any(t.startswith("mooncake") for t in args.transports)
+                if uses_mooncake(args.transports)
                 else []
             ),
             f"- producer on {hosts['producer']['address']} ({host1.name}), consumer on "

@@ -109,7 +109,7 @@ def pdcluster_setup(
             "engine_args": ENGINE_ARGS,
         },
     }
-    # A secret of the bench's own, so that it can read the engines' vLLM metrics (engine_timings).
+    # A secret of the bench's own, so that it can read the engines' vLLM metrics (serve_profile.engine_samples).
     secret = secrets.token_hex(32)
     secret_file = workdir / f"{name}.secret"
     secret_file.touch(mode=0o600)
