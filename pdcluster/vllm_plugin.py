@@ -118,7 +118,7 @@ def register() -> None:
     compat.keep_queue_pings()
     from pdcluster.kv_transfer import colocated
 
-    compat.wait_between_idle_steps(colocated.idle_wait)
+    compat.wait_between_idle_steps(colocated.idle_wait, colocated.outputs_queued)
     spin_s, recheck_ms = compat.queue_reader_spin()
     logger.debug(
         "engine process fixes applied in %s: queue spin %g s, re-check %d ms, pings kept",

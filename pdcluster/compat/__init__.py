@@ -21,7 +21,7 @@ The reaches, by module:
   vllm_queues    set_queue_reader_spin, keep_queue_pings   (shm_broadcast.SpinCondition, its
                  SHM_READER_RECHECK_INTERVAL_MS): vllm_plugin.py
   vllm_core_loop wait_between_idle_steps, only_awaiting_kv, wakeup_item (EngineCore.post_step,
-                 EngineCoreProc.input_queue / _handle_client_request, EngineCoreRequestType.WAKEUP,
+                 EngineCoreProc.input_queue / output_queue / _handle_client_request, EngineCoreRequestType.WAKEUP,
                  the Scheduler's request sets, RequestStatus): vllm_plugin.py, kv_transfer/colocated.py
   vllm_engine    cpu_worker_base, parse_cpu_list, executor_choice, run_model_in_engine_core
                  (CPUWorker.init_device, parse_id_list, ParallelConfig): engine/single_process.py,

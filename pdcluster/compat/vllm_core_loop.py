@@ -7,7 +7,8 @@ until decode releases them) steps ~1,000 times a second meanwhile, each step sch
 calling the connector and sending the front end a stats message: a core's worth of work on a
 host where the prefill beside it needs every cycle. Applied by our plugin (pdcluster/vllm_plugin.py)
 in engine processes pdcluster launched; whether an engine may wait, and what wakes it, is the
-connector's (kv_transfer/colocated.py).
+connector's (kv_transfer/colocated.py). The same hook tells the connector when a step's outputs
+are queued, the moment it wakes the consumers of the leases that step filed.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ def check_core_loop() -> Callable:
     expect_parameters(post_step, f"{CORE}.EngineCore.post_step", ["self", "model_executed"])
     step = inspect.getsource(inspect.unwrap(proc._process_engine_step))
     at_post, at_sleep = step.find("self.post_step(model_executed)"), step.find("time.sleep(0.001)")
+    at_put = step.find("self.output_queue.put_nowait(")
     if at_post < 0 or at_sleep < at_post or "self.scheduler.has_requests()" not in step:
         raise VLLMShapeError(f"{CORE}.EngineCoreProc._process_engine_step: no post_step before its 1 ms idle sleep")
+    if at_put < 0 or at_put > at_post:
+        raise VLLMShapeError(f"{CORE}.EngineCoreProc._process_engine_step: its outputs are not queued before post_step")
     expect_attributes(proc, f"{CORE}.EngineCoreProc", ["_handle_client_request"])
     if not hasattr(resolve("vllm.v1.engine", "EngineCoreRequestType"), "WAKEUP"):
         raise VLLMShapeError("vllm.v1.engine.EngineCoreRequestType has no WAKEUP")
@@ -66,14 +70,18 @@ def only_awaiting_kv(scheduler: Any) -> bool:
     )
 
 
-def wait_between_idle_steps(wait_for: Callable[[Any, Any], float | None]) -> None:
+def wait_between_idle_steps(
+    wait_for: Callable[[Any, Any], float | None], outputs_queued: Callable[[], None] | None = None
+) -> None:
     """After a step that ran no model while the scheduler holds requests, wait on the engine
     core's input queue up to `wait_for(scheduler, input_queue)` seconds (None: not at all) before vLLM's own
     1 ms sleep and the next step; an item that arrives meanwhile (a request, an abort, the
-    connector's `wakeup_item`) ends the wait and is handled as the loop would. Idempotent.
+    connector's `wakeup_item`) ends the wait and is handled as the loop would. `outputs_queued`
+    is called after every step, its outputs already queued for the front end. Idempotent.
 
     Upstream: `EngineCore.post_step(self, model_executed)`, which
-    `EngineCoreProc._process_engine_step` calls right before `time.sleep(0.001)` when no model
+    `EngineCoreProc._process_engine_step` calls right after putting the step's outputs on
+    `output_queue` and right before `time.sleep(0.001)` when no model
     ran and `scheduler.has_requests()`; `EngineCore.scheduler`, `EngineCoreProc.input_queue` and
     `_handle_client_request` (how the loop takes an item). Why: see the module docstring."""
     post_step = check_core_loop()
@@ -84,6 +92,8 @@ def wait_between_idle_steps(wait_for: Callable[[Any, Any], float | None]) -> Non
     @functools.wraps(post_step)
     def patched(self, model_executed: bool) -> None:
         post_step(self, model_executed)
+        if outputs_queued is not None:
+            outputs_queued()
         if model_executed or not hasattr(self, "input_queue") or not self.scheduler.has_requests():
             return
         timeout = wait_for(self.scheduler, self.input_queue)

@@ -10,7 +10,10 @@ lease with it directly, at once; elsewhere nothing is registered and the metadat
 
 Filing early is safe for the reason filing at bind is: the lease waits for the event recorded
 after the forward that wrote its blocks (`after_forward` runs before vLLM processes that step's
-output, so the worker's last step event is that forward's or a later one).
+output, so the worker's last step event is that forward's or a later one). What already waits
+for the lease (decode's handout lookup, a gRPC thread here) is woken once the engine core has
+queued the step's outputs (`outputs_queued`), not while the scheduler is still building them:
+on a host core it would otherwise run before the first token leaves.
 
 The same process also runs vLLM's engine-core loop, which steps every 1 ms while its requests only
 wait on the connector (compat.vllm_core_loop). With the worker here, what they wait for happens
@@ -36,11 +39,15 @@ IDLE_WAIT_CAP_S = 0.05
 
 
 class LeaseFiler(Protocol):
-    def file_leases(self, leases: list[LeaseSpec]) -> None: ...
+    def file_leases(self, leases: list[LeaseSpec], wake: bool = True) -> None: ...
+
+    def wake_lookups(self) -> None: ...
 
 
 _lock = threading.Lock()
 _filers: weakref.WeakValueDictionary[str, LeaseFiler] = weakref.WeakValueDictionary()
+_due: list[LeaseFiler] = []  # filed leases whose waiting consumers are woken after the step
+_steps_hooked = False  # this process's engine core calls `outputs_queued` after every step
 
 
 def register(engine_id: str, filer: LeaseFiler) -> None:
@@ -59,6 +66,36 @@ def filer_for(engine_id: str) -> LeaseFiler | None:
     """The producer of `engine_id` in this process, or None (its worker runs elsewhere)."""
     with _lock:
         return _filers.get(engine_id)
+
+
+def file_lease(engine_id: str, spec: LeaseSpec) -> bool:
+    """File `spec` with the producer of `engine_id` if its worker half runs in this process (False
+    if not: the step's metadata carries it). Filed at once, so that a pull finds it; the consumers
+    already waiting for it (decode's handout lookup, a gRPC thread of this process) are woken only
+    when the step's outputs are queued (`outputs_queued`): woken here, inside the scheduler's
+    output processing, that thread takes the GIL from the engine thread, and the first token of
+    this very request waits for it to answer decode."""
+    filer = filer_for(engine_id)
+    if filer is None:
+        return False
+    with _lock:
+        defer = _steps_hooked
+        if defer:
+            _due.append(filer)
+    filer.file_leases([spec], wake=not defer)
+    return True
+
+
+def outputs_queued() -> None:
+    """The engine core queued a step's outputs (compat.wait_between_idle_steps calls this after
+    every step): wake the consumers waiting for the leases that step filed."""
+    global _steps_hooked
+    with _lock:
+        _steps_hooked = True
+        due = list(_due)
+        _due.clear()
+    for filer in due:
+        filer.wake_lookups()
 
 
 class EngineWaker:

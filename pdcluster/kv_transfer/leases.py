@@ -82,7 +82,11 @@ class LeaseTable:
         ready_event=None,
         key: str = "",
         handout: tuple[str, int] | None = None,
+        wake: bool = True,
     ):
+        """Hold `block_ids` for a consumer until `deadline`. `wake` False: the pulls and lookups
+        waiting for it are left waiting until the caller's `wake()` (colocated.py: after the step's
+        outputs left, so that they do not take the process's turn from the first token)."""
         with self._cond:
             if request_id in self._leases:
                 logger.warning("lease for %s registered twice; keeping the first", request_id)
@@ -91,7 +95,8 @@ class LeaseTable:
             self._leases[request_id] = lease
             if key and handout is not None:
                 self._by_key[key] = lease
-            self._cond.notify_all()
+            if wake:
+                self._cond.notify_all()
 
     def handouts(
         self, keys: Sequence[str], wait_s: float = 0.0, stop: threading.Event | None = None
@@ -114,7 +119,8 @@ class LeaseTable:
                 self._cond.wait(remaining)
 
     def wake(self) -> None:
-        """Let every waiting `handouts` look at its `stop` event again."""
+        """Let every waiting `handouts` and `acquire` look again (their stop event, the leases
+        filed with wake=False)."""
         with self._cond:
             self._cond.notify_all()
 

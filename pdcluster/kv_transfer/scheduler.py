@@ -285,9 +285,6 @@ class ConnectorScheduler:
             first = request.output_token_ids[0] if request.num_output_tokens else -1
             handout = {"key": key, "params": json.dumps(lease.to_dict()), "first_token": first}
         spec = LeaseSpec(request.request_id, tuple(block_ids), expiry, **handout)
-        filer = colocated.filer_for(self.engine_id)
-        if filer is not None:
-            filer.file_leases([spec])  # our worker half is in this process: now, not next step
-        else:
+        if not colocated.file_lease(self.engine_id, spec):  # our worker half here: now, not next step
             self._meta.new_leases.append(spec)
         return True, lease.to_dict()

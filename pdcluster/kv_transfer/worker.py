@@ -196,9 +196,10 @@ class ConnectorWorker:
 
     # -- per step ----------------------------------------------------------------------------
 
-    def file_leases(self, leases: list[LeaseSpec]) -> None:
+    def file_leases(self, leases: list[LeaseSpec], wake: bool = True) -> None:
         """Hold finished prefills' blocks for their consumers (from the step's metadata, or at
-        once from the scheduler half in this process: colocated.py)."""
+        once from the scheduler half in this process: colocated.py, which wakes their waiting
+        consumers itself, `wake_lookups`, once the step's outputs are queued)."""
         assert self.producer is not None
         now_wall, now_mono = time.time(), time.monotonic()
         for lease in leases:
@@ -209,7 +210,13 @@ class ConnectorWorker:
                 ready_event=self._last_step_event,
                 key=lease.key,
                 handout=(lease.params, lease.first_token) if lease.key else None,
+                wake=wake,
             )
+
+    def wake_lookups(self) -> None:
+        """Wake the pulls and handout lookups waiting for leases filed with wake=False."""
+        assert self.producer is not None
+        self.producer.leases.wake()
 
     def bind(self, meta: PDConnectorMetadata) -> None:
         if meta.new_leases:

@@ -335,3 +335,53 @@ def test_a_wake_up_before_the_engine_first_waited_is_kept_for_it():
     assert inputs.empty()
     waker.wake()
     assert inputs.get_nowait() == compat.wakeup_item()
+
+
+def test_a_lease_filed_in_this_process_wakes_its_waiting_consumer_once_the_steps_outputs_are_queued(monkeypatch):
+    """The scheduler half files a lease with the worker in its process at once (a pull finds it),
+    but the handout lookup already waiting for it (a gRPC thread of this process) is woken only
+    when the engine core has queued that step's outputs (colocated.outputs_queued, called after
+    every step): woken earlier it took the GIL from the engine thread between the prefill's first
+    token and its output. Before the engine's step hook ever ran, the lease wakes it at once."""
+    import threading
+
+    from pdcluster.kv_transfer import colocated
+    from pdcluster.kv_transfer.metadata import LeaseSpec
+    from tests.unit.kv_fixtures import make_worker
+
+    monkeypatch.setattr(colocated, "_steps_hooked", False)
+    worker = make_worker(KVTransferSettings(secret="colocated-test"), "test-outputs-queued", producer=True)
+    assert worker.producer is not None
+    leases = worker.producer.leases
+    found: list[dict] = []
+
+    def waiting(key: str) -> threading.Thread:
+        thread = threading.Thread(target=lambda: found.append(leases.handouts([key], wait_s=60)), daemon=True)
+        thread.start()
+        end = time.monotonic() + 10
+        while not leases._cond._waiters:  # CPython's Condition: the lookup is waiting on it
+            assert time.monotonic() < end, "the lookup never waited"
+            time.sleep(0.005)  # poll interval
+        return thread
+
+    def spec(n: int) -> LeaseSpec:
+        return LeaseSpec(f"p-{n}", (n,), time.time() + 30, key=f"k-{n}", params="{}", first_token=n)
+
+    try:
+        lookup = waiting("k-1")  # no engine step hook yet: woken at once
+        assert colocated.file_lease("test-outputs-queued", spec(1))
+        lookup.join(10)
+        assert found == [{"k-1": ("{}", 1)}]
+
+        colocated.outputs_queued()  # the engine core's first step ended
+        lookup = waiting("k-2")
+        assert colocated.file_lease("test-outputs-queued", spec(2))
+        assert leases.handouts(["k-2"]) == {"k-2": ("{}", 2)}  # filed at once
+        lookup.join(0.5)
+        assert lookup.is_alive(), "the waiting lookup was woken before the step's outputs were queued"
+        colocated.outputs_queued()
+        lookup.join(10)
+        assert found[1:] == [{"k-2": ("{}", 2)}]
+        assert not colocated.file_lease("another-engine", spec(3))  # its worker runs elsewhere
+    finally:
+        worker.shutdown()
