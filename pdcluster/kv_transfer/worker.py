@@ -214,9 +214,10 @@ class ConnectorWorker:
             )
 
     def wake_lookups(self) -> None:
-        """Wake the pulls and handout lookups waiting for leases filed with wake=False."""
-        assert self.producer is not None
-        self.producer.leases.wake()
+        """Wake the pulls and handout lookups waiting for leases filed with wake=False (called from
+        the engine core's loop: never raises)."""
+        if self.producer is not None:
+            self.producer.leases.wake()
 
     def bind(self, meta: PDConnectorMetadata) -> None:
         if meta.new_leases:
