@@ -73,8 +73,8 @@ def file_lease(engine_id: str, spec: LeaseSpec) -> bool:
     if not: the step's metadata carries it). Filed at once, so that a pull finds it; the consumers
     already waiting for it (decode's handout lookup, a gRPC thread of this process) are woken only
     when the step's outputs are queued (`outputs_queued`): woken here, inside the scheduler's
-    output processing, that thread takes the GIL from the engine thread, and the first token of
-    this very request waits for it to answer decode."""
+    output processing, that thread runs ahead of the engine thread (same process, same core), and
+    the first token of this very request waits for it to answer decode."""
     filer = filer_for(engine_id)
     if filer is None:
         return False

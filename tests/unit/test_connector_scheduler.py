@@ -341,8 +341,8 @@ def test_a_lease_filed_in_this_process_wakes_its_waiting_consumer_once_the_steps
     """The scheduler half files a lease with the worker in its process at once (a pull finds it),
     but the handout lookup already waiting for it (a gRPC thread of this process) is woken only
     when the engine core has queued that step's outputs (colocated.outputs_queued, called after
-    every step): woken earlier it took the GIL from the engine thread between the prefill's first
-    token and its output. Before the engine's step hook ever ran, the lease wakes it at once."""
+    every step): woken earlier it ran ahead of the engine thread, on its core, between the
+    prefill's first token and its output. Before the engine's step hook ever ran, the lease wakes it at once."""
     import threading
 
     from pdcluster.kv_transfer import colocated
