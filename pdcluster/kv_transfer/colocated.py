@@ -46,7 +46,7 @@ class LeaseFiler(Protocol):
 
 _lock = threading.Lock()
 _filers: weakref.WeakValueDictionary[str, LeaseFiler] = weakref.WeakValueDictionary()
-_due: list[LeaseFiler] = []  # filed leases whose waiting consumers are woken after the step
+_due: set[LeaseFiler] = set()  # filers of leases whose waiting consumers are woken after the step
 _steps_hooked = False  # this process's engine core calls `outputs_queued` after every step
 
 
@@ -81,7 +81,7 @@ def file_lease(engine_id: str, spec: LeaseSpec) -> bool:
     with _lock:
         defer = _steps_hooked
         if defer:
-            _due.append(filer)
+            _due.add(filer)  # once a step however many leases it filed
     filer.file_leases([spec], wake=not defer)
     return True
 
