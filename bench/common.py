@@ -56,7 +56,7 @@ def base_config(name: str, **overrides) -> dict:
     config = shipped_config()
     config["name"] = name
     config["model"]["path"] = str(MODEL)
-    config["router"]["port"] = free_port()
+    config["router"]["port"] = 0  # any free port, taken as the router binds (the endpoint `up` prints)
     config["router"]["local_prefill_max_tokens"] = 0
     config["router"]["local_prefill_queue_tokens"] = 0
     merge(config, overrides)

@@ -115,15 +115,27 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """What a Ray task raised at the bottom of a chain of remote calls (the CLI's call to the
+    controller, the controller's to the router): Ray wraps each hop in a RayTaskError whose
+    first line names the task, not the problem."""
+    import ray
+
+    while isinstance(exc, ray.exceptions.RayTaskError) and getattr(exc, "cause", None) is not None:
+        exc = exc.cause
+    return exc
+
+
 def _get(ref) -> Any:
-    """ray.get of a controller call; a ConfigError it raised reaches the user as its one line."""
+    """ray.get of a controller call; a pdcluster error raised by it, or by a call it made in turn,
+    reaches the user as its own one line."""
     import ray
 
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, ConfigError):
+        cause = _root_cause(exc)
+        if isinstance(cause, PDClusterError):
             raise cause from None
         raise
 
@@ -465,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("pdcluster: interrupted\n")
         return 130
     except Exception as exc:  # noqa: BLE001 - a CLI user gets one line, never a traceback
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        sys.stderr.write(f"pdcluster: {args.command} failed: {type(exc).__name__}: {first}\n")
+        cause = _root_cause(exc) if "ray" in sys.modules else exc
+        first = (str(cause).strip().splitlines() or [""])[0][:300]
+        sys.stderr.write(f"pdcluster: {args.command} failed: {type(cause).__name__}: {first}\n")
         logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
         return EXIT_FAILURE
     finally:

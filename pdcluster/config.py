@@ -220,7 +220,13 @@ class SpeculativeSection(_Model):
 
 class RouterSection(_Model):
     host: str = Field("127.0.0.1", description="Address the OpenAI-compatible endpoint binds.")
-    port: int = Field(8000, ge=1, le=65535, description="Port of the endpoint.")
+    port: int = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="Port of the endpoint; 0 takes any free port when the router binds (`up` prints the endpoint, "
+        "`status` shows it).",
+    )
     policy: Literal["least_loaded", "round_robin", "cache_aware"] = Field(
         "cache_aware",
         description="Replica choice: least outstanding work, round robin, or cache_aware (least work counting "

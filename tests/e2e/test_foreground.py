@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import selectors
+import socket
 import subprocess
 import time
 
@@ -82,4 +83,19 @@ def test_a_replica_that_fails_to_start_is_retried_in_its_slot(tmp_path):
     attempts = set(re.findall(r"(aggregated-\d+)\s+(?:starting|dead)", result.stdout))
     assert len(attempts) >= 2, result.stdout  # aggregated-0 failed, and its slot was tried again
     assert result.stderr.strip().splitlines()[-1].startswith("pdcluster: "), result.stderr
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_router_port_in_use_stops_up_in_one_line_naming_it(tmp_path):
+    """A router port another process holds stops `up` with one line that names `router.port`
+    and the port (not the first line of a Ray traceback), and leaves no cluster behind."""
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = write_config(tmp_path / "cluster.yaml", name="e2e-port-in-use", router={"port": port})
+        result = cli(tmp_path, "up", str(config), timeout=300, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdcluster: router.port") and str(port) in last and "in use" in last, result.stderr
     assert not list(tmp_path.glob("*.json"))

@@ -1,12 +1,11 @@
 """Run the real `pdcluster` CLI against real Ray for tests (each test cluster isolated by
-PDCLUSTER_HOME and its own router port)."""
+PDCLUSTER_HOME and a router port of its own, chosen as the router binds)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +22,6 @@ PDCLUSTER = [sys.executable, "-m", "pdcluster.cli"]
 TEST_DTYPE = "float32"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_config(path: Path, **overrides) -> Path:
     config = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
     config["model"]["path"] = str(MODEL)
@@ -36,7 +29,10 @@ def write_config(path: Path, **overrides) -> Path:
     # Identity tests compare with a reference engine in float32, where P/D's different
     # computation order cannot flip a near-tie (tests/support/identity.py).
     config["model"]["dtype"] = TEST_DTYPE
-    config["router"]["port"] = free_port()
+    # Any free port, taken by the router as it binds (tests read the endpoint `up` prints): a port
+    # picked here and bound later could be taken in between, as a source port of one of the
+    # connections the Ray head opens meanwhile.
+    config["router"]["port"] = 0
     # The tests' prompts are short: every one takes the P/D path, the subject of most tests,
     # unless a test sets conditional disaggregation itself (tests/e2e/test_planner.py).
     config["router"]["local_prefill_max_tokens"] = 0

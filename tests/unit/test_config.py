@@ -38,6 +38,7 @@ def test_shipped_configs_are_valid(name):
         ({**BASE, "rolez": {}}, "rolez: unknown key"),
         ({**BASE, "roles": {"prefill": {"replicaz": 2}}}, "roles.prefill.replicaz: unknown key"),
         ({**BASE, "router": {"port": "eighty"}}, "router.port: Input should be a valid integer"),
+        ({**BASE, "router": {"port": -1}}, "router.port: must be ≥ 0"),
         (
             {**BASE, "roles": {"decode": {"engine_args": {"model": "other"}}}},
             "roles.decode.engine_args: 'model' is set once",

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.addresses import binds_every_address, node_ip
-from pdcluster.errors import NoReplicaError, PDClusterError
+from pdcluster.errors import ConfigError, NoReplicaError, PDClusterError
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router.handoff import PhaseRunner
@@ -109,6 +109,18 @@ class Router:
 
         import uvicorn
 
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:  # in use, or not an address of this node: the operator's to change
+            sock.close()
+            raise ConfigError(
+                f"router.port {port} on {host} cannot be bound: {exc.strerror or exc} "
+                "(choose another router.port, or 0 for any free port)"
+            ) from None
+        sock.listen(2048)
+        sock.setblocking(False)
         self.tokens.load_in_background()
         self._transport = AsyncioTransport(httpx.Limits(max_connections=2048, max_keepalive_connections=256))
         self.http = self.phases.http = self.pool.cache.http = httpx.AsyncClient(
@@ -117,11 +129,6 @@ class Router:
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
             transport=self._transport,
         )
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        sock.setblocking(False)
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
