@@ -10,7 +10,9 @@ Ray clusters on the machine).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import selectors
 import signal
 import socket
@@ -24,6 +26,8 @@ from pathlib import Path
 from pdcluster.errors import ConfigError, PDClusterError
 
 HEAD_START_TIMEOUT_S = 120
+
+logger = logging.getLogger(__name__)
 
 
 def state_home() -> Path:
@@ -114,9 +118,40 @@ def ray_command() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def start_local_head(num_cpus: int | None, log_path: Path) -> tuple[str, int]:
-    """Start `ray start --head --block` in its own process group; return (address, pid)."""
-    port = free_port()
+HEAD_START_TRIES = 3  # GCS ports tried before `up` gives up on a head that cannot bind its port
+
+
+def start_local_head(num_cpus: int | None, log_path: Path, port: int = 0) -> tuple[str, int]:
+    """Start `ray start --head --block` in its own process group; return (address, pid).
+
+    The GCS port (`port`, or a free one) is chosen here and bound by Ray seconds later; a port
+    another process took meanwhile (a source port of some connection) makes the head exit, and
+    it is started again on another free port."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    for _ in range(HEAD_START_TRIES):
+        port = port or free_port()
+        offset = log.seek(0, os.SEEK_END)
+        proc, failure = _start_head(port, num_cpus, log)
+        if failure is None:
+            # Keep draining its stdout into the log so the head never blocks on a full pipe.
+            _drain_in_background(proc, log)
+            return f"127.0.0.1:{port}", proc.pid
+        log.flush()
+        said = log_path.read_bytes()[offset:].decode(errors="replace")
+        if proc.returncode is None or not (port_in_use(port) or re.search(rf"\b{port}\b", said)):
+            break  # not its port: starting it again would fail the same way
+        logger.warning("the local Ray head could not bind port %d (taken meanwhile); trying another", port)
+        port = 0
+    log.close()
+    lines = [line.strip() for line in (said or failure).splitlines() if line.strip()] or ["no output"]
+    last = next((line for line in reversed(lines) if "Error:" in line), lines[-1])  # Python's own error line
+    raise PDClusterError(f"local Ray head did not start (see {log_path}): {last[:300]}")
+
+
+def _start_head(port: int, num_cpus: int | None, log) -> tuple[subprocess.Popen, str | None]:
+    """One `ray start --head`: the process, and None once Ray says it started, else what it
+    printed before it exited (returncode set) or timed out (returncode None; stopped)."""
     cmd = [
         *ray_command(),
         "start",
@@ -129,11 +164,10 @@ def start_local_head(num_cpus: int | None, log_path: Path) -> tuple[str, int]:
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "wb")
     # Ray runs worker processes at nice 15 by default; our workers *are* the service (router,
     # engines), so they run at normal priority, like Ray's own job supervisor arranges for jobs.
     env = dict(os.environ, RAY_worker_niceness="0")
+    log.flush()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -142,16 +176,22 @@ def start_local_head(num_cpus: int | None, log_path: Path) -> tuple[str, int]:
     while b"Ray runtime started" not in seen:
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_process_group(proc.pid)
-            raise PDClusterError(
-                f"local Ray head did not start (see {log_path}): {seen[-500:].decode(errors='replace')}"
-            )
+            return proc, seen.decode(errors="replace")
         if sel.select(timeout=1.0):
             chunk = os.read(proc.stdout.fileno(), 65536)
             seen += chunk
             log.write(chunk)
-    # Keep draining its stdout into the log so the head never blocks on a full pipe.
-    _drain_in_background(proc, log)
-    return f"127.0.0.1:{port}", proc.pid
+            log.flush()  # in order with what the head writes to the log itself (its stderr)
+    return proc, None
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def _drain_in_background(proc: subprocess.Popen, log) -> None:

@@ -1,5 +1,6 @@
-"""`pdcluster up --foreground` (what `make run` runs) ends at once, with exit 0, when another
-shell runs `pdcluster down`: the foreground process stops the cluster itself."""
+"""`pdcluster up`'s own process: `up --foreground` (what `make run` runs) ends at once, with exit 0,
+when another shell runs `pdcluster down` (the foreground process stops the cluster itself); a
+replica that fails to start is retried; ports taken by other processes are replaced or named."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import pytest
 
+from pdcluster.orchestrator.session import process_group_alive, start_local_head, stop_process_group
 from tests.support.cluster import PDCLUSTER, cli, require_clusters_lane, write_config
 from tests.support.engines import REPO
 
@@ -99,3 +101,24 @@ def test_a_router_port_in_use_stops_up_in_one_line_naming_it(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("pdcluster: router.port") and str(port) in last and "in use" in last, result.stderr
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_ray_head_port_taken_before_ray_binds_it_is_replaced_by_another(tmp_path):
+    """`up` picks the local Ray head's GCS port and Ray binds it seconds later; here another
+    process holds it (as a connection's source port can take it meanwhile): the head that cannot
+    bind it exits, and is started again on another free port instead of failing `up`."""
+    require_clusters_lane()
+    log = tmp_path / "head.log"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        address, pid = start_local_head(1, log, port=taken)
+    try:
+        assert process_group_alive(pid)
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) != taken
+        text = log.read_text(errors="replace")
+        assert str(taken) in text and "Ray runtime started" in text  # the failed try, then the head
+    finally:
+        stop_process_group(pid)
