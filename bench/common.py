@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,12 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = ROOT / "models" / "pdcluster-tiny-code"
 TEXT_IDS = range(300, 4000)  # the tiny model has 4096 ids; the low ones are bytes and specials
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shipped_config() -> dict:

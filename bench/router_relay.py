@@ -37,7 +37,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, free_port, machine, write_results
+from bench.common import ROOT, machine, write_results
+from pdcluster.orchestrator.session import free_port
 
 EVENT = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764567890,'

@@ -226,7 +226,8 @@ def vllm_pd_setup(
 ) -> Iterator[str]:
     """Stock prefill (core 0) and decode (core 1) `vllm serve` engines and the proxy; yields the
     proxy's URL."""
-    from bench.common import ROOT, free_port
+    from bench.common import ROOT
+    from pdcluster.orchestrator.session import free_port
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     procs = []
