@@ -1,5 +1,5 @@
 """`reference_engine` (package): one aggregated float32 engine without speculation, started once
-for every identity test (test_cluster, test_kv_faults, test_kv_handoff, test_mtp_pd,
+for every identity test (test_cluster, test_kv_faults, handoff/, test_mtp_pd,
 test_multinode): P/D, MTP and cluster outputs must all equal what it computes alone.
 
 `http` (module): an httpx client on the module's `cluster` endpoint.

@@ -1,7 +1,7 @@
 """P/D in bfloat16 (the model's dtype, the shipped configs' `native` on CPUs that compute it) against one
 aggregated engine, MTP on.
 
-Strict identity runs in float32 (test_kv_handoff.py, test_mtp_pd.py, test_cluster.py). In bf16 the
+Strict identity runs in float32 (handoff/, test_mtp_pd.py, test_cluster.py). In bf16 the
 same P/D computation, done in another order, may flip a near-tie, and which ones flip depends on
 the CPU's kernels (tests/support/identity.py). Here a divergence passes only as a diagnosed
 near-tie: the reference's top-1 minus top-2 logprob there and the logprob drift before it both

@@ -2,7 +2,7 @@
 a share of pulls is dropped mid-transfer, dials an unreachable producer, or times out against a
 stalled producer; every request still completes with the same greedy output as an aggregated
 engine, and the prefill's blocks all come back. (The `fail` policy through the router, with
-requests abandoned between prefill and decode: test_kv_handoff.py, on engines without a cluster.)
+requests abandoned between prefill and decode: tests/e2e/handoff/, on engines without a cluster.)
 """
 
 from __future__ import annotations

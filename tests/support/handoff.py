@@ -1,5 +1,5 @@
 """What the KV handoff tests do to real engines over HTTP, as the router does
-(tests/e2e/test_kv_handoff.py): complete, hand off, read an engine's info, wait for what the
+(tests/e2e/handoff/): complete, hand off, read an engine's info, wait for what the
 engines report, and run the router in process in front of them."""
 
 from __future__ import annotations

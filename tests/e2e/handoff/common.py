@@ -1,0 +1,65 @@
+"""The handoff package's engines (their specs, started by conftest.py) and what its modules share."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.support.engines import tiny_engine
+from tests.support.handoff import greedy
+from tests.support.identity import Greedy, assert_same_greedy
+
+BLOCK = 128  # vLLM's CPU default block size
+LEASE_S = 10
+DTYPE = "float32"
+
+
+def spec(
+    engine_id,
+    role,
+    bind,
+    secret_file,
+    *,
+    policy="recompute",
+    kv=None,
+    single_process=True,
+    scope="engine",
+    **engine_args,
+):
+    return tiny_engine(
+        engine_id,
+        role,
+        dtype=DTYPE,
+        secret_file=secret_file,
+        kv={"failure_policy": policy, **(kv or {})},
+        engine_args={"max_num_seqs": 16, **engine_args},
+        cpu_threads_bind=bind,
+        single_process=single_process,
+        cpu_bind_scope=scope,
+    )
+
+
+def engine_specs(secret):
+    """The prefill and the decodes every module of the package hands off between."""
+    return [
+        # Bound beyond loopback, so auto also offers mooncake (Mooncake listens on every interface).
+        spec(
+            "prefill",
+            "prefill",
+            "0",
+            secret,
+            kv={"lease_seconds": LEASE_S, "backend": "auto", "bind_host": "0.0.0.0", "advertise_host": "127.0.0.1"},
+        ),
+        # every thread of it on core 1 (cpu_bind_scope replica); the others bind their engine thread
+        spec("decode", "decode", "1", secret, scope="replica"),
+        # vLLM's own CPU layout (a worker process holds the model); the others run single-process
+        spec("decode-shm", "decode", "1", secret, kv={"backend": "auto"}, single_process=False),
+        spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
+        # one request at a time: a second one queues (lease renewal)
+        spec("decode-mooncake", "decode", "1", secret, kv={"backend": "mooncake"}, max_num_seqs=1),
+        spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
+        spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
+    ]
+
+
+def assert_same(expected: Greedy, response: httpx.Response, what: str = "") -> None:
+    assert_same_greedy(expected, greedy(response), DTYPE, what)

@@ -1,0 +1,118 @@
+"""The router, in process, in front of these engines: the first token from the prefill, decode
+sent ahead, an unreachable decode replaced, and under `fail` clear errors while abandoned
+leases expire."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.e2e.handoff.common import LEASE_S
+from tests.support.handoff import NAME, complete, info, through_router, wait_for
+from tests.support.prompts import token_prompt
+
+pytestmark = pytest.mark.e2e
+
+
+def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engines):
+    """The router (in process) in front of these engines: every stream gets its first token from
+    the prefill and decode continues after it, token for token what the aggregated engine says;
+    a decode replica that cannot be reached is replaced by the live one without prefilling again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # refused once released
+    prompts = [token_prompt(40 + 53 * i, offset=3000 + 97 * i) for i in range(4)]
+    expected = [complete(engines["agg"], p, 10).json()["choices"][0]["text"] for p in prompts]
+    replicas = [
+        ("prefill-0", "prefill", engines["prefill"].url),
+        ("decode-dead", "decode", dead),
+        ("decode-0", "decode", engines["decode"].url),
+    ]
+
+    async def requests(client):
+        texts = []
+        for prompt in prompts:
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                assert response.status_code == 200
+                assert response.headers["x-pdcluster-prefill"] == "prefill-0"
+                events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: {")]
+            texts.append("".join(c["text"] for e in events for c in json.loads(e)["choices"]))
+        return texts
+
+    texts, metrics, inflight = through_router(engines, replicas, requests)
+    assert texts == expected
+    assert 'pdcluster_first_token_source_total{role="prefill"} 4.0' in metrics
+    assert (
+        'pdcluster_retries_total{role="decode"}' in metrics and 'pdcluster_retries_total{role="prefill"}' not in metrics
+    )
+    assert all(count == 0 for count in inflight.values())
+
+
+def test_decode_sent_ahead_streams_what_the_aggregated_engine_says(engines):
+    """router.decode_ahead: the continuation leaves with the prefill request and the decode engine
+    finds the lease and the first token by key. Every stream after the first (whose lease becomes
+    the voucher of the prefill's endpoints) goes that way, and each is token for token, usage
+    included, what the aggregated engine answers."""
+    prompts = [token_prompt(60 + 71 * i, offset=5000 + 89 * i) for i in range(5)]
+    expected = [complete(engines["agg"], p, 10).json() for p in prompts]
+    replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
+
+    async def requests(client):
+        answers = []
+        for prompt in prompts:
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            body.update(stream=True, stream_options={"include_usage": True})
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                events = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
+            text = "".join(c["text"] for e in events for c in e["choices"])
+            answers.append((text, [e["usage"] for e in events if e.get("usage")]))
+        return answers
+
+    answers, metrics, inflight = through_router(engines, replicas, requests, decode_ahead=True)
+    for (text, usage), reference in zip(answers, expected):
+        assert text == reference["choices"][0]["text"]
+        assert [{k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} for u in usage] == [
+            {k: reference["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        ]
+    assert f'pdcluster_decode_ahead_total{{outcome="streamed"}} {len(prompts) - 1}.0' in metrics
+    assert 'outcome="dropped"' not in metrics
+    assert all(count == 0 for count in inflight.values())
+
+
+def test_fail_policy_through_the_router_gives_clear_errors_and_abandoned_leases_expire(engines):
+    """The router in front of the prefill and a decode whose every pull fails (a layout mismatch,
+    failure policy `fail`), half of the requests abandoned between prefill and decode (injected:
+    a client gone): a failed pull is a 502 naming the KV handoff and the policy (an SSE error
+    event when streaming), an abandoned one a 503, and the prefill's blocks all come back, the
+    abandoned ones' once their leases expire."""
+    prefill = engines["prefill"]
+    baseline = wait_for(lambda: (s := info(prefill)["stats"])["kv_cache_usage"] == 0.0 and s, 30, "idle P")
+    replicas = [("prefill-0", "prefill", prefill.url), ("decode-0", "decode", engines["decode-mismatch"].url)]
+    prompts = [token_prompt(150 + 40 * i, offset=311 * i) for i in range(10)]
+
+    async def requests(client):
+        answers = [
+            await client.post("/v1/completions", json={"model": NAME, "prompt": p, "max_tokens": 8}) for p in prompts
+        ]
+        body = {"model": NAME, "prompt": token_prompt(170, offset=9999), "max_tokens": 8, "stream": True}
+        streamed = await client.post("/v1/completions", json=body)
+        return answers, streamed
+
+    (answers, streamed), _, _ = through_router(engines, replicas, requests, abandon_after_prefill_rate=0.5)
+    abandoned = [r for r in answers if r.status_code == 503]
+    failed = [r for r in answers if r.status_code != 503]
+    assert abandoned and failed
+    for r in abandoned:
+        assert r.json()["error"]["type"] == "fault_injection"
+    for r in failed:
+        assert r.status_code == 502, r.text
+        error = r.json()["error"]
+        assert error["type"] == "kv_transfer_error" and "failure_policy=fail" in error["message"], error
+    assert "kv_transfer_error" in streamed.text or "fault_injection" in streamed.text
+    # Failed pulls released their leases; abandoned ones were never pulled and expire.
+    after = wait_for(lambda: (s := info(prefill)["stats"])["kv_cache_usage"] == 0.0 and s, LEASE_S + 30, "expiry")
+    assert after["kv_leases_expired"] - baseline["kv_leases_expired"] >= len(abandoned)
