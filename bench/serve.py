@@ -28,6 +28,8 @@ computed by a tool we did not write:
                 (two `vllm bench serve` runs at once; ITL is read from the decode-heavy one)
   interference-3k  the same with 3072-token long prompts (diagnostic): one long prefill outlasts
                 S = 100 ms on every machine we ran, where a 1536-token one may not (~100 ms here)
+  steady-2k     steady's prefill load as 2048-token prompts at 1 req/s (diagnostic): the same
+                handoff cost against a prefill ~4x as long
   light         the steady prompts at 0.5 req/s (diagnostic): TTFT without a queue
 The engines' own vLLM timings (TTFT at the front end, queue, scheduled steps) are read from their
 authenticated /metrics with a secret of the bench's own; the sweep takes TTFT apart with them.
@@ -338,6 +340,14 @@ WORKLOADS = {
             "decode": dict(input_len=128, output_len=256, prompts=48, rate=1.5, seed=2),
             "long": dict(input_len=3072, output_len=8, prompts=28, rate=1.0, seed=3),
         },
+    },
+    # Diagnostic, no target: steady's prompt tokens per second (2048 a second) as 2048-token
+    # prompts at 1/s, so pd's fixed handoff cost (router work, the hop) is set against a prefill
+    # ~4x as long as steady's 512-token one; every prompt here takes the prefill hop (over the
+    # queue rule's 512).
+    "steady-2k": {
+        "itl_stream": "short",
+        "streams": {"short": dict(input_len=2048, output_len=64, prompts=160, rate=1.0, seed=5)},
     },
     # Diagnostic, no target: the steady prompts at a rate where nothing queues, so TTFT shows
     # the fixed cost of the handoff rather than the prefill queue.
