@@ -374,7 +374,10 @@ def ttft_table(raw: dict, name: str) -> list[str]:
     """Where the first token's time went per repeat: the client's and the router's TTFT, the
     router's prefill phase (P/D path), and vLLM's own timings in the engine that computed the
     first token (prefill's on the P/D path, aggregated's otherwise; arrival at its front end ->
-    first token, of it waiting in its queue and its scheduled steps). What the engine did not see
+    first token, of it waiting in its queue and its scheduled steps). vLLM's queue time starts when
+    the engine core takes the request, between steps: a request that arrives during another's step
+    waits for that step first, and that wait is in neither column (pd's one prefill engine meets
+    it where aggregated's two replicas take such requests side by side). What the engine did not see
     is compared over the same requests: the prefill phase less the prefill engine's TTFT (the
     hop: HTTP both ways, the front end's work before arrival, the router reading the answer), or
     for aggregated the router's TTFT less the engine's (the router's work and HTTP)."""
@@ -387,7 +390,9 @@ def ttft_table(raw: dict, name: str) -> list[str]:
         "Where TTFT went per repeat (means, ms, except the client's median): the router's TTFT (every request) "
         "and prefill phase (router -> prefill -> router, P/D path only); in the engine that computed the first "
         "token (prefill on the P/D path, else the aggregated replica), vLLM's own timings: arrival at its front "
-        "end -> first token, of it queued and in scheduled steps; outside it, over the same requests: the prefill "
+        "end -> first token, of it queued and in scheduled steps (vLLM's queue time starts when the engine core "
+        "takes the request, between steps: a request that arrives during another's step waits for that step "
+        "first, in neither column); outside it, over the same requests: the prefill "
         "phase less the prefill engine's TTFT (pd: HTTP both ways, the front end's work before arrival, the router "
         "reading the answer), or the router's TTFT less the engine's (aggregated: the router's work and HTTP):",
         "",
