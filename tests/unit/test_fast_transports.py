@@ -145,6 +145,40 @@ def test_a_live_lease_is_read_without_asking_the_producer(producer_process):
             client.close()
 
 
+def test_first_direct_pulls_at_once_register_once_and_stay_direct(producer_process):
+    """A consumer's first pulls from a producer often start together (its pull threads, a
+    request admitted ahead of its prefill). They register its cache once: a second registration
+    replaced the first one, whose proof connection then closed, so the producer forgot the
+    registration a pull in flight had named, refused it, and that consumer copied every later
+    pull through the shared-memory ring (~10x slower per pull, on the producer's core)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    address, _ = producer_process
+    plans = {"req-a": [40, 41, 42, 43, 44], "req-b": list(range(0, 20)), "req-c": [60, 61]}
+    for _ in range(3):  # a fresh consumer each round: its first pulls race to register
+        consumer = make_cache(fill="zeros")
+        client = create_transport("shm", settings()).connect(address)
+        client.handshake(consumer.layout, "decode-0")
+        start = Barrier(len(plans))
+
+        def one(request_id):
+            scatterer = BlockScatterer(consumer, CHUNK)
+            scatterer.begin(plans[request_id])
+            start.wait()
+            sink = CacheSink(scatterer)
+            client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=20)
+
+        try:
+            with ThreadPoolExecutor(len(plans)) as pool:
+                list(pool.map(one, plans))
+            assert client.direct, "a direct pull was refused: the consumer fell back to the ring"
+        finally:
+            client.close()
+        for request_id, dst_ids in plans.items():
+            assert_copied(consumer, request_id, dst_ids)
+
+
 def test_no_one_sided_read_from_a_producer_that_exited():
     """The producer's process exited (its pidfd tells): a pull of a lease still far from its
     expiry is not read out of whatever now has its pid; it fails through the producer."""

@@ -95,9 +95,13 @@ class ShmClient(GrpcClient):
         # very process exited, so a recycled pid is never mistaken for the producer.
         self._peer_process: tuple[int, int] | None = None
         self._peer_lock = threading.Lock()  # a pidfd is closed only while no one polls it
-        # Our registration for direct pushes (peers.py), on the current session only.
+        # Our registration for direct pushes (peers.py), on the current session only. Made once,
+        # by whichever pull comes first: the first pulls often start together, and a second
+        # registration would replace the first, whose proof connection closing then makes the
+        # producer forget the registration a pull in flight named (and refuse that pull).
         self._registration = ""
         self._proof: socket.socket | None = None  # the peer connection it was proven on
+        self._registering = threading.RLock()  # re-entrant: a new session may forget it meanwhile
         self.control.on_new_session.append(self._new_session)
 
     def _new_session(self) -> None:
@@ -189,41 +193,43 @@ class ShmClient(GrpcClient):
             segment.close()
 
     def _forget_registration(self) -> None:
-        self._registration = ""
-        if self._proof is not None:
-            self._proof.close()
-            self._proof = None
+        with self._registering:
+            self._registration = ""
+            if self._proof is not None:
+                self._proof.close()
+                self._proof = None
 
     def _register(self, sink: CacheSink) -> str:
         """Prove which process we are on the producer's peer socket and register our cache
         there (once per session); "" when the producer offers no direct pushes."""
-        if self._registration or not self.shm_socket:
-            return self._registration
-        regions = sink.host_regions()
-        assert regions is not None
-        try:
-            proof, token = peers.prove(self.shm_socket, self.settings.connect_timeout_seconds)
-        except OSError as exc:
-            raise DirectRefused(f"peer socket of {self.endpoint}: {exc}") from exc
-        request = pb.ShmRegisterRequest(
-            token=token,
-            pid=os.getpid(),
-            regions=[pb.Region(address=a, nbytes=n, row_bytes=r) for a, n, r in regions],
-        )
-        try:
-            reply = self._shm_register(
-                request,
-                metadata=self.control.metadata("ShmRegister"),
-                timeout=self.settings.connect_timeout_seconds,
+        with self._registering:
+            if self._registration or not self.shm_socket:
+                return self._registration
+            regions = sink.host_regions()
+            assert regions is not None
+            try:
+                proof, token = peers.prove(self.shm_socket, self.settings.connect_timeout_seconds)
+            except OSError as exc:
+                raise DirectRefused(f"peer socket of {self.endpoint}: {exc}") from exc
+            request = pb.ShmRegisterRequest(
+                token=token,
+                pid=os.getpid(),
+                regions=[pb.Region(address=a, nbytes=n, row_bytes=r) for a, n, r in regions],
             )
-        except grpc.RpcError as exc:
-            proof.close()
-            error = translate(exc, self.endpoint, "KV shm registration")
-            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
-                raise DirectRefused(str(error)) from None
-            raise error from None
-        self._proof, self._registration = proof, reply.registration
-        return self._registration
+            try:
+                reply = self._shm_register(
+                    request,
+                    metadata=self.control.metadata("ShmRegister"),
+                    timeout=self.settings.connect_timeout_seconds,
+                )
+            except grpc.RpcError as exc:
+                proof.close()
+                error = translate(exc, self.endpoint, "KV shm registration")
+                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+                    raise DirectRefused(str(error)) from None
+                raise error from None
+            self._proof, self._registration = proof, reply.registration
+            return self._registration
 
     def _attach(self, name: str, size: int) -> Segment:
         with self._segments_lock:
