@@ -156,22 +156,25 @@ def test_first_direct_pulls_at_once_register_once_and_stay_direct(producer_proce
 
     address, _ = producer_process
     plans = {"req-a": [40, 41, 42, 43, 44], "req-b": list(range(0, 20)), "req-c": [60, 61]}
-    for _ in range(3):  # a fresh consumer each round: its first pulls race to register
-        consumer = make_cache(fill="zeros")
-        client = create_transport("shm", settings()).connect(address)
-        client.handshake(consumer.layout, "decode-0")
+
+    def first_pulls_at_once(client, consumer) -> None:
         start = Barrier(len(plans))
 
         def one(request_id):
             scatterer = BlockScatterer(consumer, CHUNK)
             scatterer.begin(plans[request_id])
             start.wait()
-            sink = CacheSink(scatterer)
-            client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=20)
+            client.pull(request_id, REQUESTS[request_id], CacheSink(scatterer), engine_id="decode-0", timeout_s=20)
 
+        with ThreadPoolExecutor(len(plans)) as pool:
+            list(pool.map(one, plans))
+
+    for _ in range(3):  # a fresh consumer each round: its first pulls race to register
+        consumer = make_cache(fill="zeros")
+        client = create_transport("shm", settings()).connect(address)
         try:
-            with ThreadPoolExecutor(len(plans)) as pool:
-                list(pool.map(one, plans))
+            client.handshake(consumer.layout, "decode-0")
+            first_pulls_at_once(client, consumer)
             assert client.direct, "a direct pull was refused: the consumer fell back to the ring"
         finally:
             client.close()
