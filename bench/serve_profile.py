@@ -20,6 +20,7 @@ PROFILE_METRICS = (
     "pdcluster_kv_pull_cpu_seconds_total",
     "pdcluster_kv_pull_runqueue_seconds_total",
     "pdcluster_kv_pulls_total",
+    "pdcluster_kv_pulls_one_sided_total",
     "pdcluster_kv_lease_wait_seconds_total",
     "pdcluster_kv_load_report_seconds_total",
     "pdcluster_handoff_gap_seconds",
@@ -102,6 +103,9 @@ def profile(before: dict, after: dict) -> dict:
         # of the pull: its thread on a CPU, and runnable but waiting for one (the rest: blocked)
         "kv_pull_cpu_mean_ms": per_pull("pdcluster_kv_pull_cpu_seconds_total"),
         "kv_pull_runqueue_mean_ms": per_pull("pdcluster_kv_pull_runqueue_seconds_total"),
+        # pulls read out of the producer's cache without asking it (shm): ~1 on one node, 0 when a
+        # consumer fell back to the ring or pulls ask the producer first
+        "kv_one_sided_share": delta("pdcluster_kv_pulls_one_sided_total") / pulls if pulls else None,
         "kv_load_report_mean_ms": per_pull("pdcluster_kv_load_report_seconds_total"),
         # prefill's first token -> decode's first one, as the router relayed them
         "handoff_gap_mean_ms": mean("pdcluster_handoff_gap_seconds"),

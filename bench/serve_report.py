@@ -187,9 +187,9 @@ def report(raw: dict, notes: dict, workloads: dict, args, engine_args: dict, max
             ]
             lines += [
                 "| setup | router TTFT | prefill phase (router -> P -> router) | lease filed -> pull (on D) "
-                "| KV pull (on D) | of it on a CPU / waiting for one | bytes in -> vLLM told | handoff gap "
-                "| handoff gaps > 50 ms |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                "| KV pull (on D) | of it on a CPU / waiting for one | read one-sided | bytes in -> vLLM told "
+                "| handoff gap | handoff gaps > 50 ms |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for setup, p in profiles.items():
                 over = p.get(HANDOFF_OVER)
@@ -319,12 +319,15 @@ def verdicts(raw: dict, workloads: dict) -> list[str]:
 
 def handoff_cells(p: dict) -> list[str]:
     """A profile's handoff stages as table cells (bench/serve.profile, ms): lease filed -> pull,
-    the pull, its thread on a CPU / waiting for one, bytes in -> vLLM told, the handoff gap."""
+    the pull, its thread on a CPU / waiting for one, the share of pulls read one-sided, bytes in
+    -> vLLM told, the handoff gap."""
     split = f"{fmt(p.get('kv_pull_cpu_mean_ms'))} / {fmt(p.get('kv_pull_runqueue_mean_ms'))}"
+    one_sided = p.get("kv_one_sided_share")
     return [
         fmt(p.get("kv_lease_wait_mean_ms")),
         fmt(p.get("kv_pull_mean_ms")),
         split,
+        "-" if one_sided is None else f"{one_sided:.2f}",
         fmt(p.get("kv_load_report_mean_ms")),
         fmt(p.get("handoff_gap_mean_ms")),
     ]

@@ -357,11 +357,12 @@ def handoff_table(raw: dict, name: str) -> list[str]:
     lines = [
         "The handoff per repeat (cluster metrics, mean ms per pull): lease filed on prefill → pull starts on "
         "decode; the pull, and of it the pulling thread on a CPU / waiting for one (the rest: blocked); "
-        "bytes in → vLLM told (the engine's next step); the router's handoff gap (prefill's token → decode's "
-        "first), and how many of those were over 50 ms:",
+        "the share of pulls read out of prefill's cache without asking it (shm one-sided reads: ~1 on one "
+        "node; 0 when decode fell back to the ring); bytes in → vLLM told (the engine's next step); the "
+        "router's handoff gap (prefill's token → decode's first), and how many of those were over 50 ms:",
         "",
-        "| setup | scale | repeat | lease filed → pull | pull | on a CPU / waiting | bytes in → told | handoff gap | > 50 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| setup | scale | repeat | lease filed → pull | pull | on a CPU / waiting | one-sided | bytes in → told | handoff gap | > 50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for setup, run in rows:
         r = run["router"]

@@ -169,24 +169,26 @@ def test_the_sweep_reads_the_first_token_paths_own_stream():
 
 
 def test_the_sweep_shows_each_repeats_handoff_stages():
-    """Per repeat, from the cluster's counters: a repeat whose pulls waited for a CPU stands out;
-    a setup without pulls (aggregated) has no row."""
+    """Per repeat, from the cluster's counters: a repeat whose pulls waited for a CPU stands out,
+    and so does one whose decode engine read nothing one-sided (it fell back to the shm ring); a
+    setup without pulls (aggregated) has no row."""
     from bench.serve_profile import profile
     from bench.serve_sweep import handoff_table
 
-    def run(repeat, pull_s, runqueue_s):
+    def run(repeat, pull_s, runqueue_s, one_sided):
         counters = {
-            "pdcluster_kv_pulls_total": 10.0,
+            "pdcluster_kv_pulls_total[decode-0][ok]": 10.0,
+            "pdcluster_kv_pulls_one_sided_total[decode-0]": one_sided,
             "pdcluster_kv_pull_seconds_total": pull_s,
             "pdcluster_kv_pull_cpu_seconds_total": 0.01,
             "pdcluster_kv_pull_runqueue_seconds_total": runqueue_s,
         }
         return {"scale": 0.3, "repeat": repeat, "router": profile({}, counters)}
 
-    raw = {"pd": {"interference": [run(0, 0.02, 0.005), run(1, 0.3, 0.25)]}, "aggregated": {"interference": [{"scale": 0.3, "repeat": 0, "router": profile({}, {})}]}}  # fmt: skip
+    raw = {"pd": {"interference": [run(0, 0.02, 0.005, 9.0), run(1, 0.3, 0.25, 0.0)]}, "aggregated": {"interference": [{"scale": 0.3, "repeat": 0, "router": profile({}, {})}]}}  # fmt: skip
     rows = [line for line in handoff_table(raw, "interference") if line.startswith("| pd |")]
     assert len(rows) == 2 and not any("aggregated" in line for line in handoff_table(raw, "interference"))
-    assert "| 2.0 | 1.0 / 0.5 |" in rows[0] and "| 30.0 | 1.0 / 25.0 |" in rows[1]
+    assert "| 2.0 | 1.0 / 0.5 | 0.90 |" in rows[0] and "| 30.0 | 1.0 / 25.0 | 0.00 |" in rows[1]
 
 
 def test_the_sweep_takes_each_repeats_ttft_apart_in_the_engine_that_computed_it():
