@@ -56,7 +56,6 @@ from pdcluster.kv_transfer.transports.base import (
     TransportClient,
 )
 from pdcluster.kv_transfer.transports.grpc_transport import (
-    SERVICE,
     GrpcClient,
     pull_errors_abort,
     translate,
@@ -285,21 +284,11 @@ class CollectiveClient(GrpcClient):
         super().__init__(endpoint, settings)
         self.device = torch.device(device)
         self.backend = backend_for(self.device.type)
-        self._open = self.channel.unary_unary(
-            f"/{SERVICE}/CollectiveOpen",
-            request_serializer=pb.CollectiveOpenRequest.SerializeToString,
-            response_deserializer=pb.CollectiveOpenResponse.FromString,
+        self._open = self.control.stub("CollectiveOpen", pb.CollectiveOpenRequest, pb.CollectiveOpenResponse)
+        self._collective_pull = self.control.stub(
+            "CollectivePull", pb.CollectivePullRequest, pb.CollectiveProgress, kind="unary_stream"
         )
-        self._collective_pull = self.channel.unary_stream(
-            f"/{SERVICE}/CollectivePull",
-            request_serializer=pb.CollectivePullRequest.SerializeToString,
-            response_deserializer=pb.CollectiveProgress.FromString,
-        )
-        self._store = self.channel.unary_unary(
-            f"/{SERVICE}/CollectiveStore",
-            request_serializer=pb.CollectiveStoreRequest.SerializeToString,
-            response_deserializer=pb.CollectiveStoreResponse.FromString,
-        )
+        self._store = self.control.stub("CollectiveStore", pb.CollectiveStoreRequest, pb.CollectiveStoreResponse)
         self._pair_lock = threading.Lock()
         self._group = None
         self._key = ""

@@ -246,31 +246,11 @@ class GrpcClient(TransportClient):
         self.settings = settings
         self.control = ControlChannel(endpoint, settings)
         self.channel = self.control.channel
-        self._handshake = self.channel.unary_unary(
-            f"/{SERVICE}/Handshake",
-            request_serializer=pb.HandshakeRequest.SerializeToString,
-            response_deserializer=pb.HandshakeResponse.FromString,
-        )
-        self._pull = self.channel.unary_stream(
-            f"/{SERVICE}/Pull",
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=decode_chunk,
-        )
-        self._release = self.channel.unary_unary(
-            f"/{SERVICE}/Release",
-            request_serializer=pb.ReleaseRequest.SerializeToString,
-            response_deserializer=pb.ReleaseResponse.FromString,
-        )
-        self._renew = self.channel.unary_unary(
-            f"/{SERVICE}/Renew",
-            request_serializer=pb.RenewRequest.SerializeToString,
-            response_deserializer=pb.RenewResponse.FromString,
-        )
-        self._handouts = self.channel.unary_unary(
-            f"/{SERVICE}/Handouts",
-            request_serializer=pb.HandoutsRequest.SerializeToString,
-            response_deserializer=pb.HandoutsResponse.FromString,
-        )
+        self._handshake = self.control.stub("Handshake", pb.HandshakeRequest, pb.HandshakeResponse)
+        self._pull = self.control.stub("Pull", pb.PullRequest, decode_chunk, kind="unary_stream")
+        self._release = self.control.stub("Release", pb.ReleaseRequest, pb.ReleaseResponse)
+        self._renew = self.control.stub("Renew", pb.RenewRequest, pb.RenewResponse)
+        self._handouts = self.control.stub("Handouts", pb.HandoutsRequest, pb.HandoutsResponse)
         self._digest: int | None = None
         self._remote_layout: KVLayout | None = None
         self.shm_socket = ""  # the producer's, from the handshake (shm's direct variant)

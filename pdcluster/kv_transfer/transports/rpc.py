@@ -204,17 +204,20 @@ class ControlChannel:
         self._auth = ClientAuth(settings.secret_value())
         self._session: ClientSession | None = None
         self._lock = threading.Lock()
-        self._challenge = self.channel.unary_unary(
-            f"/{SERVICE}/Challenge",
-            request_serializer=pb.ChallengeRequest.SerializeToString,
-            response_deserializer=pb.ChallengeResponse.FromString,
-        )
-        self._authenticate = self.channel.unary_unary(
-            f"/{SERVICE}/Authenticate",
-            request_serializer=pb.AuthenticateRequest.SerializeToString,
-            response_deserializer=pb.AuthenticateResponse.FromString,
-        )
+        self._challenge = self.stub("Challenge", pb.ChallengeRequest, pb.ChallengeResponse)
+        self._authenticate = self.stub("Authenticate", pb.AuthenticateRequest, pb.AuthenticateResponse)
         self.on_new_session: list[Callable[[], None]] = []  # backends drop per-session state
+
+    def stub(self, method: str, request_type, response, kind: str = "unary_unary") -> Callable[..., Any]:
+        """The callable for one method of our service on this channel. `response`: the reply's
+        protobuf type, or a function of the reply's bytes; `kind`: unary_unary, unary_stream or
+        stream_stream (grpc.Channel's own names)."""
+        deserialize = response.FromString if isinstance(response, type) else response
+        return getattr(self.channel, kind)(
+            f"/{SERVICE}/{method}",
+            request_serializer=request_type.SerializeToString,
+            response_deserializer=deserialize,
+        )
 
     def session(self) -> ClientSession:
         with self._lock:

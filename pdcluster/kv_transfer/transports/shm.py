@@ -55,7 +55,6 @@ from pdcluster.kv_transfer.transports.base import (
 )
 from pdcluster.kv_transfer.transports.direct import DirectRead, DirectRefused
 from pdcluster.kv_transfer.transports.grpc_transport import (
-    SERVICE,
     GrpcClient,
     translate,
 )
@@ -74,16 +73,8 @@ ONE_SIDED_MARGIN_S = 5.0
 class ShmClient(GrpcClient):
     def __init__(self, endpoint: str, settings: KVTransferSettings):
         super().__init__(endpoint, settings)
-        self._shm_pull = self.channel.stream_stream(
-            f"/{SERVICE}/ShmPull",
-            request_serializer=pb.ShmPullRequest.SerializeToString,
-            response_deserializer=pb.ShmChunk.FromString,
-        )
-        self._shm_register = self.channel.unary_unary(
-            f"/{SERVICE}/ShmRegister",
-            request_serializer=pb.ShmRegisterRequest.SerializeToString,
-            response_deserializer=pb.ShmRegisterResponse.FromString,
-        )
+        self._shm_pull = self.control.stub("ShmPull", pb.ShmPullRequest, pb.ShmChunk, kind="stream_stream")
+        self._shm_register = self.control.stub("ShmRegister", pb.ShmRegisterRequest, pb.ShmRegisterResponse)
         self._segments: dict[str, Segment] = {}
         self._segments_lock = threading.Lock()
         self.direct = cma.available()  # until the OS refuses a direct read from this producer
