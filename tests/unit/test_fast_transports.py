@@ -182,6 +182,50 @@ def test_first_direct_pulls_at_once_register_once_and_stay_direct(producer_proce
             assert_copied(consumer, request_id, dst_ids)
 
 
+def test_a_registration_beside_a_new_session_does_not_deadlock(producer_process):
+    """A consumer's first direct pull registers its cache while another thread opens a new
+    session (the producer restarted), whose hooks forget the registration. The registration took
+    its own lock and then the session's; the new session held the session's lock and waited for
+    the registration's: both threads stopped for good, and with them every later pull."""
+    import threading
+
+    address, _ = producer_process
+    consumer = make_cache(fill="zeros")
+    client = create_transport("shm", settings()).connect(address)
+    client.handshake(consumer.layout, "decode-0")
+    in_hooks, registering = threading.Event(), threading.Event()
+
+    def first_hook() -> None:  # runs first among the new session's hooks, under its lock
+        in_hooks.set()
+        registering.wait(timeout=2)  # the registration, if it can get this far meanwhile
+
+    class RegisteringSink(CacheSink):
+        def host_regions(self):  # read by the registration, under its lock
+            registering.set()
+            return super().host_regions()
+
+    def first_pull() -> None:
+        in_hooks.wait(timeout=20)
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin([40, 41, 42, 43, 44])
+        client.pull("req-a", REQUESTS["req-a"], RegisteringSink(scatterer), engine_id="decode-0", timeout_s=20)
+
+    client.control.on_new_session.insert(0, first_hook)
+    with client.control._lock:
+        client.control._session = None  # what StaleSessionError does (rpc.ControlChannel.call)
+    threads = [threading.Thread(target=client.control.session, daemon=True), threading.Thread(target=first_pull, daemon=True)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads), "the registration and the new session deadlocked"
+    try:
+        assert registering.is_set() and client.direct
+        assert_copied(consumer, "req-a", [40, 41, 42, 43, 44])
+    finally:
+        client.close()
+
+
 def test_no_one_sided_read_from_a_producer_that_exited():
     """The producer's process exited (its pidfd tells): a pull of a lease still far from its
     expiry is not read out of whatever now has its pid; it fails through the producer."""

@@ -92,7 +92,9 @@ class ShmClient(GrpcClient):
         # producer forget the registration a pull in flight named (and refuse that pull).
         self._registration = ""
         self._proof: socket.socket | None = None  # the peer connection it was proven on
-        self._registering = threading.RLock()  # re-entrant: a new session may forget it meanwhile
+        # Taken after the session's lock, never before: a new session's hooks forget the
+        # registration under the session's lock (_register takes its metadata first).
+        self._registering = threading.Lock()
         self.control.on_new_session.append(self._new_session)
 
     def _new_session(self) -> None:
@@ -193,8 +195,11 @@ class ShmClient(GrpcClient):
     def _register(self, sink: CacheSink) -> str:
         """Prove which process we are on the producer's peer socket and register our cache
         there (once per session); "" when the producer offers no direct pushes."""
+        if self._registration or not self.shm_socket:
+            return self._registration
+        metadata = self.control.metadata("ShmRegister")  # may open a session: before our lock
         with self._registering:
-            if self._registration or not self.shm_socket:
+            if self._registration:
                 return self._registration
             regions = sink.host_regions()
             assert regions is not None
@@ -210,7 +215,7 @@ class ShmClient(GrpcClient):
             try:
                 reply = self._shm_register(
                     request,
-                    metadata=self.control.metadata("ShmRegister"),
+                    metadata=metadata,
                     timeout=self.settings.connect_timeout_seconds,
                 )
             except grpc.RpcError as exc:
