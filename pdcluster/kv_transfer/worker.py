@@ -96,7 +96,10 @@ class ConnectorWorker:
         self.producer: KVProducer | None = None
         self.server: TransportServer | None = None
         self._last_step_event = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None  # pulls
+        # Releases and renewals: small calls that must not queue behind pulls (a stalled pull
+        # would hold the blocks of pulls already done, and let queued requests' leases expire).
+        self._control: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[PullResult]] = {}
         self._links: ProducerLinks | None = None  # consumer: clients of producers
         self._transports_lock = threading.Lock()
@@ -145,6 +148,7 @@ class ConnectorWorker:
             chunk = self.settings.max_chunk_bytes
             self._scatterers = Pool(lambda: BlockScatterer(cache, chunk))
             self._executor = ThreadPoolExecutor(max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull")
+            self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-control")
             self._links = links = ProducerLinks(self.settings, self.engine_id, cache, self.offers, self._transport)
             self._ahead = AheadPulls(
                 engine_id=self.engine_id,
@@ -348,7 +352,7 @@ class ConnectorWorker:
 
     def _submit_renewals(self, leases: list[KVParams]) -> None:
         """Renew the leases of requests still queued here, one call per producer endpoint."""
-        assert self._executor is not None
+        assert self._control is not None
         by_endpoint: dict[str, list[str]] = {}
         for lease in leases:
             try:
@@ -357,7 +361,7 @@ class ConnectorWorker:
                 continue  # the pull will fail with the reason
             by_endpoint.setdefault(endpoint, []).append(lease.remote_request_id)
         for endpoint, request_ids in by_endpoint.items():
-            self._executor.submit(self._renew, endpoint, request_ids)
+            self._control.submit(self._renew, endpoint, request_ids)
 
     def _renew(self, endpoint: str, request_ids: list[str]) -> None:
         try:
@@ -365,7 +369,7 @@ class ConnectorWorker:
                 request_ids, engine_id=self.engine_id, timeout_s=self.settings.release_timeout_seconds
             )
             logger.debug("renewed %d of %d queued leases on %s", renewed, len(request_ids), endpoint)
-        except Exception as exc:  # noqa: BLE001 - runs on the pull pool: nothing may escape unseen
+        except Exception as exc:  # noqa: BLE001 - runs on the control pool: nothing may escape unseen
             logger.warning(
                 "renewing %d leases on %s failed: %s: %s", len(request_ids), endpoint, type(exc).__name__, exc
             )
@@ -451,11 +455,11 @@ class ConnectorWorker:
         return result
 
     def _release_later(self, lease: KVParams, transferred: bool) -> None:
-        """Release on the pool: the load's report to vLLM does not wait for the producer's answer.
-        A release never sent (the worker is shutting down) is ended by the lease's expiry."""
-        assert self._executor is not None
+        """Release on the control pool: the load's report to vLLM does not wait for the producer's
+        answer. A release never sent (the worker is shutting down) is ended by the lease's expiry."""
+        assert self._control is not None
         try:
-            self._executor.submit(self._release, lease, transferred)
+            self._control.submit(self._release, lease, transferred)
         except RuntimeError:  # the pool was shut down
             logger.debug("not releasing %s: shutting down", lease.remote_request_id)
 
@@ -474,7 +478,7 @@ class ConnectorWorker:
                 engine_id=self.engine_id,
                 timeout_s=self.settings.release_timeout_seconds,
             )
-        except Exception as exc:  # noqa: BLE001 - runs on the pull pool: nothing may escape unseen
+        except Exception as exc:  # noqa: BLE001 - runs on the control pool: nothing may escape unseen
             # The producer's lease expiry frees the blocks if this message is lost.
             logger.warning("KV release of %s failed: %s: %s", lease.remote_request_id, type(exc).__name__, exc)
 
@@ -485,8 +489,9 @@ class ConnectorWorker:
         colocated.unregister_waker(self.waker)
         if self._ahead is not None:
             self._ahead.shutdown()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._executor, self._control):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         if self._links is not None:
             self._links.close()
         if self.server is not None:

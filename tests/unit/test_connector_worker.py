@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pdcluster.keys import KV_PARAMS, derive_key
-from pdcluster.kv_transfer.metadata import PDConnectorMetadata, PullSpec
+from pdcluster.kv_transfer.metadata import PDConnectorMetadata, PullSpec, ReleaseSpec
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
@@ -54,6 +54,11 @@ def lease(endpoint: str, blocks=(4, 5), expiry_in: float = 600) -> KVParams:
 
 def outcome(worker: ConnectorWorker, spec: PullSpec) -> str:
     worker.bind(PDConnectorMetadata(pulls=[spec]))
+    return finished(worker, spec)
+
+
+def finished(worker: ConnectorWorker, spec: PullSpec) -> str:
+    """How a pull already handed to `worker` ended, once it has."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         _, recving, failed = worker.get_finished()  # must never raise
@@ -64,7 +69,7 @@ def outcome(worker: ConnectorWorker, spec: PullSpec) -> str:
 
 
 def released(producer: KVProducer) -> list[str]:
-    """The leases the producer saw end, once one has (releases run on the consumer's pull pool)."""
+    """The leases the producer saw end, once one has (releases run on the consumer's control pool)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if done := producer.leases.collect_finished():
@@ -177,8 +182,43 @@ def test_renewals_reach_the_producer_for_signed_leases_only(producer, consumer):
 
 
 def test_a_release_after_shutdown_is_left_to_the_lease_expiry(producer, consumer):
-    """Releases go to the pull pool; a pull that ends while the worker shuts down must not raise
+    """Releases go to the control pool; a pull that ends while the worker shuts down must not raise
     from there (its lease expires on the producer instead)."""
     _, address = producer
     consumer.shutdown()
     consumer._release_later(lease(address), True)  # the pool refuses new work: logged, not raised
+
+
+def test_releases_and_renewals_do_not_queue_behind_a_stalled_pull():
+    """The only pull thread waits on the producer (the pull's lease is not filed yet): a release
+    and a renewal still reach the producer meanwhile (they queued behind the pull before: the
+    stall held the released blocks and let queued requests' leases expire)."""
+    settings = SETTINGS.model_copy(update={"pull_threads": 1, "pull_timeout_seconds": 60})
+    source = KVProducer(make_cache(seed=3), "prefill-0", max_chunk_bytes=4096, lease_wait_s=60)
+    source.lease_seconds = 600
+    server = create_transport("grpc", settings).serve(source, "127.0.0.1", 0)
+    worker = make_worker(settings, "decode-0", producer=False, fill="zeros")
+    try:
+        address = server.address
+        source.leases.add("req-2", [6], time.monotonic() + 1)  # queued on decode: to be renewed
+        source.leases.add("req-3", [7], time.monotonic() + 600)  # hit decode's cache: released
+        stalled = PullSpec("d-1", lease(address), (4, 5), (0, 1))  # req-1: filed only below
+        renewal = KVParams(**{**lease(address).__dict__, "remote_request_id": "req-2"}).signed(
+            derive_key(SECRET, KV_PARAMS)
+        )
+        unpulled = KVParams(**{**lease(address).__dict__, "remote_request_id": "req-3"}).signed(
+            derive_key(SECRET, KV_PARAMS)
+        )
+        worker.bind(PDConnectorMetadata(pulls=[stalled]))
+        worker.bind(PDConnectorMetadata(renewals=[renewal], releases=[ReleaseSpec(unpulled, "local cache hit")]))
+        deadline = time.monotonic() + 20  # well inside the stalled pull's 60 s wait
+        while source.leases._leases["req-2"].deadline < time.monotonic() + 100:
+            assert time.monotonic() < deadline, "the renewal waited behind the stalled pull"
+            time.sleep(0.01)  # poll interval
+        assert released(source) == ["req-3"]
+        assert "d-1" not in worker.get_finished()[1]  # the pull still waits
+        source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+        assert finished(worker, stalled) == "ok"
+    finally:
+        worker.shutdown()
+        server.stop(0)
