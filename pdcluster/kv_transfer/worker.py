@@ -9,7 +9,8 @@ Consumer: pulls announced by the scheduler run on a small thread pool: the gRPC 
 with the producer's endpoint (once; it says where the producer runs and what it offers), the
 backend picked from that (transports/selection.py, its own handshake once per endpoint), the
 blocks moved into the local cache through the staging scatterer, then the producer's lease
-released in the background (vLLM need not wait for that answer). Completed pulls are reported as
+released in the background (vLLM need not wait for that answer; lease_messages.py, which also
+renews the leases of pulls still waiting for a pull thread). Completed pulls are reported as
 `finished_recving` after the compute stream was made to wait on their copy event; failed ones
 also as `failed_recving`, and vLLM recomputes or fails the request per `kv_load_failure_policy`.
 Every pull has a deadline. Requests admitted ahead of their prefill find their lease first (ahead.py).
@@ -33,6 +34,7 @@ from pdcluster.kv_transfer.ahead import AheadPulls
 from pdcluster.kv_transfer.failures import report_failure
 from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import PagedKVCache
+from pdcluster.kv_transfer.lease_messages import LeaseMessages
 from pdcluster.kv_transfer.links import ProducerLinks
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
@@ -96,11 +98,11 @@ class ConnectorWorker:
         self.producer: KVProducer | None = None
         self.server: TransportServer | None = None
         self._last_step_event = None
-        self._executor: ThreadPoolExecutor | None = None  # pulls
-        # Releases and renewals: small calls that must not queue behind pulls (a stalled pull
-        # would hold the blocks of pulls already done, and let queued requests' leases expire).
-        self._control: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[PullResult]] = {}
+        # pulls not started yet (no pull thread free): their leases, known to hold until when
+        self._waiting: dict[str, tuple[KVParams, float]] = {}
+        self._messages: LeaseMessages | None = None  # releases and renewals
         self._links: ProducerLinks | None = None  # consumer: clients of producers
         self._transports_lock = threading.Lock()
         self._scatterers: Pool[BlockScatterer] | None = None
@@ -148,8 +150,8 @@ class ConnectorWorker:
             chunk = self.settings.max_chunk_bytes
             self._scatterers = Pool(lambda: BlockScatterer(cache, chunk))
             self._executor = ThreadPoolExecutor(max_workers=self.settings.pull_threads, thread_name_prefix="kv-pull")
-            self._control = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-control")
             self._links = links = ProducerLinks(self.settings, self.engine_id, cache, self.offers, self._transport)
+            self._messages = LeaseMessages(self.settings, self.engine_id, self._endpoint, links.connection)
             self._ahead = AheadPulls(
                 engine_id=self.engine_id,
                 params_key=self._params_key,
@@ -226,7 +228,7 @@ class ConnectorWorker:
     def bind(self, meta: PDConnectorMetadata) -> None:
         if meta.new_leases:
             self.file_leases(meta.new_leases)
-        if self.is_consumer and self._ahead is not None:
+        if self.is_consumer and self._ahead is not None and self._messages is not None:
             for pull in meta.pulls:
                 if pull.awaiting is not None:
                     self._ahead.add(pull)
@@ -236,9 +238,12 @@ class ConnectorWorker:
                 self._ahead.abandon(request_id)
             for release in meta.releases:
                 logger.debug("releasing %s unpulled: %s", release.remote.remote_request_id, release.reason)
-                self._release_later(release.remote, False)
+                self._messages.release_later(release.remote, False)
             if meta.renewals:
-                self._submit_renewals(meta.renewals)
+                self._messages.renew(meta.renewals)
+            with self._pending_lock:
+                waiting = dict(self._waiting)
+            self._messages.keep(waiting)
 
     def after_forward(self) -> None:
         """End of a step (target and draft forwards): remember what the producer must wait on."""
@@ -340,6 +345,8 @@ class ConnectorWorker:
                 logger.error("duplicate pull for %s ignored", spec.request_id)
                 return
             future = self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
+            if spec.remote is not None:
+                self._waiting[spec.request_id] = (spec.remote, max(spec.remote.remote_lease_expiry, spec.renewed_until))
         future.add_done_callback(lambda _: self.waker.wake())
 
     def _report_failed(self, request_id: str, error: str, cause: str) -> None:
@@ -350,32 +357,10 @@ class ConnectorWorker:
             self._pending[request_id] = future
         self.waker.wake()
 
-    def _submit_renewals(self, leases: list[KVParams]) -> None:
-        """Renew the leases of requests still queued here, one call per producer endpoint."""
-        assert self._control is not None
-        by_endpoint: dict[str, list[str]] = {}
-        for lease in leases:
-            try:
-                endpoint = self._endpoint(lease)  # only what a producer of this cluster signed
-            except KVTransferError:
-                continue  # the pull will fail with the reason
-            by_endpoint.setdefault(endpoint, []).append(lease.remote_request_id)
-        for endpoint, request_ids in by_endpoint.items():
-            self._control.submit(self._renew, endpoint, request_ids)
-
-    def _renew(self, endpoint: str, request_ids: list[str]) -> None:
-        try:
-            renewed = self._links.connection(endpoint, "grpc").renew(
-                request_ids, engine_id=self.engine_id, timeout_s=self.settings.release_timeout_seconds
-            )
-            logger.debug("renewed %d of %d queued leases on %s", renewed, len(request_ids), endpoint)
-        except Exception as exc:  # noqa: BLE001 - runs on the control pool: nothing may escape unseen
-            logger.warning(
-                "renewing %d leases on %s failed: %s: %s", len(request_ids), endpoint, type(exc).__name__, exc
-            )
-
     def _pull(self, spec: PullSpec) -> PullResult:
         started, clock = time.perf_counter(), ThreadClock()
+        with self._pending_lock:
+            self._waiting.pop(spec.request_id, None)  # no longer kept by LeaseMessages.keep
         # expiry = filing + lease_seconds (the cluster's); across hosts this adds their clock offset
         lease_wait = max(0.0, time.time() - (spec.remote.remote_lease_expiry - self.settings.lease_seconds))
         faults = self.faults
@@ -383,7 +368,9 @@ class ConnectorWorker:
         try:
             if faults.config.pull_delay_s:
                 time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
-            expiry = max(spec.remote.remote_lease_expiry, spec.renewed_until)
+            assert self._messages is not None
+            kept = self._messages.kept_until(spec.request_id)
+            expiry = max(spec.remote.remote_lease_expiry, spec.renewed_until, kept)
             if time.time() > expiry:
                 # The producer has freed (or is freeing) the blocks: dialing would only wait.
                 raise LeaseExpiredError(
@@ -435,7 +422,7 @@ class ConnectorWorker:
                 report_failure(reported, spec.remote.remote_engine_id, str(exc))
             # Never dial what the cluster did not vouch for, nor a lease that is gone anyway.
             if not isinstance(exc, (UntrustedParamsError, LeaseExpiredError)):
-                self._release_later(spec.remote, False)
+                self._messages.release_later(spec.remote, False)
             return PullResult(
                 spec.request_id,
                 False,
@@ -449,38 +436,10 @@ class ConnectorWorker:
         if faults.should_drop_release():
             logger.warning("fault injection: not releasing %s", spec.remote.remote_request_id)
         else:
-            self._release_later(spec.remote, True)
+            self._messages.release_later(spec.remote, True)
         result = PullResult(spec.request_id, True, nbytes, seconds, event, lease_wait=lease_wait)
         result.done_at, result.one_sided, result.thread = time.monotonic(), sink.one_sided, thread
         return result
-
-    def _release_later(self, lease: KVParams, transferred: bool) -> None:
-        """Release on the control pool: the load's report to vLLM does not wait for the producer's
-        answer. A release never sent (the worker is shutting down) is ended by the lease's expiry."""
-        assert self._control is not None
-        try:
-            self._control.submit(self._release, lease, transferred)
-        except RuntimeError:  # the pool was shut down
-            logger.debug("not releasing %s: shutting down", lease.remote_request_id)
-
-    def _release(self, lease: KVParams, transferred: bool) -> None:
-        """Tell the producer it may free the lease's blocks (every producer's gRPC control
-        server answers Release, whatever backend moved the bytes)."""
-        if not lease.verify(self._params_key):
-            logger.warning(
-                "not releasing %s: its kv_transfer_params are not signed by this cluster", lease.remote_request_id
-            )
-            return
-        try:
-            self._links.connection(self._endpoint(lease), "grpc").release(
-                lease.remote_request_id,
-                transferred=transferred,
-                engine_id=self.engine_id,
-                timeout_s=self.settings.release_timeout_seconds,
-            )
-        except Exception as exc:  # noqa: BLE001 - runs on the control pool: nothing may escape unseen
-            # The producer's lease expiry frees the blocks if this message is lost.
-            logger.warning("KV release of %s failed: %s: %s", lease.remote_request_id, type(exc).__name__, exc)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -489,9 +448,10 @@ class ConnectorWorker:
         colocated.unregister_waker(self.waker)
         if self._ahead is not None:
             self._ahead.shutdown()
-        for pool in (self._executor, self._control):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._messages is not None:
+            self._messages.shutdown()
         if self._links is not None:
             self._links.close()
         if self.server is not None:

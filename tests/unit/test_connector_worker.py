@@ -54,18 +54,20 @@ def lease(endpoint: str, blocks=(4, 5), expiry_in: float = 600) -> KVParams:
 
 def outcome(worker: ConnectorWorker, spec: PullSpec) -> str:
     worker.bind(PDConnectorMetadata(pulls=[spec]))
-    return finished(worker, spec)
+    return finished(worker, spec)[spec.request_id]
 
 
-def finished(worker: ConnectorWorker, spec: PullSpec) -> str:
-    """How a pull already handed to `worker` ended, once it has."""
+def finished(worker: ConnectorWorker, *specs: PullSpec) -> dict[str, str]:
+    """How the pulls already handed to `worker` ended ("ok" or "failed"), once all have."""
+    ended: dict[str, str] = {}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         _, recving, failed = worker.get_finished()  # must never raise
-        if spec.request_id in recving:
-            return "failed" if spec.request_id in failed else "ok"
+        ended.update({rid: "failed" if rid in failed else "ok" for rid in recving})
+        if all(spec.request_id in ended for spec in specs):
+            return ended
         time.sleep(0.01)  # poll interval
-    raise AssertionError("the pull never finished")
+    raise AssertionError(f"pulls never finished: {[s.request_id for s in specs if s.request_id not in ended]}")
 
 
 def released(producer: KVProducer) -> list[str]:
@@ -186,7 +188,7 @@ def test_a_release_after_shutdown_is_left_to_the_lease_expiry(producer, consumer
     from there (its lease expires on the producer instead)."""
     _, address = producer
     consumer.shutdown()
-    consumer._release_later(lease(address), True)  # the pool refuses new work: logged, not raised
+    consumer._messages.release_later(lease(address), True)  # the pool refuses new work: logged, not raised
 
 
 def test_releases_and_renewals_do_not_queue_behind_a_stalled_pull():
@@ -218,7 +220,34 @@ def test_releases_and_renewals_do_not_queue_behind_a_stalled_pull():
         assert released(source) == ["req-3"]
         assert "d-1" not in worker.get_finished()[1]  # the pull still waits
         source.leases.add("req-1", [4, 5], time.monotonic() + 600)
-        assert finished(worker, stalled) == "ok"
+        assert finished(worker, stalled) == {"d-1": "ok"}
+    finally:
+        worker.shutdown()
+        server.stop(0)
+
+
+def test_a_pull_waiting_for_a_pull_thread_keeps_its_lease():
+    """The only pull thread waits on the producer (its lease is not filed yet) past the lease of
+    the pull queued behind it: the consumer renews that lease while it waits, and its pull then
+    lands (it expired before: a failed load, the prefill recomputed)."""
+    settings = SETTINGS.model_copy(update={"pull_threads": 1, "pull_timeout_seconds": 60, "lease_seconds": 6})
+    source = KVProducer(make_cache(seed=3), "prefill-0", max_chunk_bytes=4096, lease_wait_s=60, lease_seconds=6)
+    server = create_transport("grpc", settings).serve(source, "127.0.0.1", 0)
+    worker = make_worker(settings, "decode-0", producer=False, fill="zeros")
+    try:
+        address = server.address
+        first = PullSpec("d-1", lease(address), (4, 5), (0, 1))  # req-1: filed only below
+        second_lease = KVParams(**{**lease(address, expiry_in=3).__dict__, "remote_request_id": "req-2"})
+        second = PullSpec("d-2", second_lease.signed(derive_key(SECRET, KV_PARAMS)), (6,), (2,))
+        source.leases.add("req-2", [6], time.monotonic() + 3)
+        worker.bind(PDConnectorMetadata(pulls=[first, second]))
+        deadline = time.monotonic() + 12  # two of req-2's unrenewed lease lengths
+        while time.monotonic() < deadline:
+            worker.bind(PDConnectorMetadata())  # the engine's steps, while d-2 waits
+            assert not source.leases.collect_finished(), "req-2's lease expired while its pull waited"
+            time.sleep(0.1)  # step interval
+        source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+        assert finished(worker, first, second) == {"d-1": "ok", "d-2": "ok"}
     finally:
         worker.shutdown()
         server.stop(0)
