@@ -293,6 +293,13 @@ class ShmClient(GrpcClient):
         )
         expired = threading.Event()
         timer = threading.Timer(timeout_s, lambda: (expired.set(), outbox.put(None)))
+        began, noticed = time.monotonic(), 0.0  # when the call began, and the producer's notice came
+
+        def late(stage: str) -> TransferTimeoutError:
+            return TransferTimeoutError(
+                f"KV shm pull of {request.request_id} from {self.endpoint} passed its {timeout_s:g} s deadline: {stage}"
+            )
+
         if direct_call:
             timer.daemon = True
             timer.start()
@@ -308,6 +315,7 @@ class ShmClient(GrpcClient):
                         raise KVTransferError(f"unexpected direct shm notice from {self.endpoint}")
                     assert isinstance(sink, CacheSink) and self._remote_layout is not None
                     if note.pid:
+                        noticed = time.monotonic()
                         self._peer = pb.ShmChunk(
                             pid=note.pid,
                             layer_addresses=note.layer_addresses,
@@ -323,9 +331,9 @@ class ShmClient(GrpcClient):
                     else:
                         writes_done = True
                         if expired.is_set():
-                            raise TransferTimeoutError(
-                                f"KV shm pull of {request.request_id} from {self.endpoint} passed its "
-                                f"{timeout_s:g} s deadline"
+                            raise late(
+                                f"the producer's notice came after {noticed - began:.1f} s, "
+                                f"its push ended after {time.monotonic() - began:.1f} s"
                             )
                         received += direct.finish(note.pushed_layers)
                         outbox.put(pb.ShmPullRequest(consumed=1))
@@ -362,8 +370,10 @@ class ShmClient(GrpcClient):
         if direct_call and not writes_done:  # the call ended without the producer's last notice
             self._await_exit(call.code())
             if expired.is_set():
-                raise TransferTimeoutError(
-                    f"KV shm pull of {request.request_id} from {self.endpoint} passed its {timeout_s:g} s deadline"
+                raise late(
+                    f"the producer's notice came after {noticed - began:.1f} s, its push never ended"
+                    if noticed
+                    else "no notice from the producer"
                 )
         return self.check_total(request.request_id, block_ids, received)
 

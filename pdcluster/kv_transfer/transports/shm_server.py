@@ -158,13 +158,18 @@ class ShmExtension(ServerExtension):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ShmPull must open with the pull")
         pull = first.pull
         if first.direct:
+            began = time.monotonic()
             consumed: _Consumed = _Watched(requests)
             destination = self._destination(first, session, context)
             with pull_errors_abort(context):
                 try:
                     yield from self._serve_direct(first, destination, consumed)
                 except _ConsumerGone:
-                    logger.warning("consumer left the direct shm pull of %s", pull.request_id)
+                    logger.warning(
+                        "consumer left the direct shm pull of %s %.1f s after it began",
+                        pull.request_id,
+                        time.monotonic() - began,
+                    )
             return
         consumed = _Consumed(requests)
         with self._pool.get() as ring, pull_errors_abort(context):
