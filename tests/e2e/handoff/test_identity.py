@@ -76,11 +76,20 @@ def test_concurrent_batch_matches_aggregated(engines):
         results = list(pool.map(lambda p: handoff(engines["prefill"], engines["decode"], p, 12)[0], prompts))
     for i, (want, got) in enumerate(zip(expected, results)):
         assert_same(want, got, f"prompt {i}")
-    after = wait_for(
-        lambda: (s := info(engines["decode"])["stats"])["kv_pulls_ok"] >= before["kv_pulls_ok"] + 12 and s,
-        30,
-        "decode pull counters",
-    )
+    try:
+        after = wait_for(
+            lambda: (s := info(engines["decode"])["stats"])["kv_pulls_ok"] >= before["kv_pulls_ok"] + 12 and s,
+            30,
+            "decode pull counters",
+        )
+    except AssertionError as exc:  # what the engines said about the batch's pulls and leases
+        said = [
+            f"{name}: {line}"
+            for name in ("prefill", "decode")
+            for line in engines[name].log_tail(400).splitlines()
+            if line.startswith(("WARNING", "ERROR")) and "[pdcluster.kv_transfer" in line
+        ]
+        raise AssertionError("\n".join([str(exc), json.dumps(info(engines["decode"])["stats"]), *said[-40:]])) from None
     assert after["kv_pulls_failed"] == before["kv_pulls_failed"]
     assert after["kv_bytes_received"] > before["kv_bytes_received"]
 
