@@ -349,7 +349,6 @@ def test_a_direct_pull_failing_mid_push_is_reported_only_after_the_push_ended(sl
 
         sink = CacheSink(scatterer, fail if failure == "consumer error" else None)
         timeout_s = 20 if failure == "consumer error" else 0.3
-        # a deadline's error says where the pull was: the notice came, the push ended late
         reason = "half failed" if failure == "consumer error" else r"deadline: the producer's notice .* push ended"
         with pytest.raises(KVTransferError, match=reason):
             client.pull("req-c", REQUESTS["req-c"], sink, engine_id="decode-0", timeout_s=timeout_s)
