@@ -14,7 +14,7 @@ from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION, layout_digest
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
-from pdcluster.kv_transfer.transports import create_transport
+from pdcluster.kv_transfer.transports import create_transport, rpc
 from pdcluster.kv_transfer.transports.rpc import SERVICE
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.unit.kv_fixtures import make_cache
@@ -289,3 +289,30 @@ def test_a_lookup_held_by_the_producer_returns_as_the_lease_comes():
     waiting.join(30)
     assert found == [{"c" * 32: ("{}", 7)}]
     assert table.handouts(["d" * 32], wait_s=0.01) == {}  # a key never filed: empty after the hold
+
+
+def test_the_server_says_when_calls_take_all_its_threads(caplog, monkeypatch):
+    """A pull waiting for its lease holds the server's only thread: the server says which calls
+    hold them all (the next calls wait); after the pull ends, nothing more is in progress."""
+    monkeypatch.setattr(rpc, "BUSY_WARNING_INTERVAL_S", 0.0)  # every time (the handshake's too)
+    producer = KVProducer(make_cache(), "prefill-0", max_chunk_bytes=4096, lease_wait_s=60)
+    transport = create_transport("grpc", KVTransferSettings(secret=SECRET, max_chunk_bytes=4096, server_threads=1))
+    server = transport.serve(producer, "127.0.0.1", 0)
+    try:
+        consumer = make_cache(fill="zeros")
+        pulled = []
+        puller = threading.Thread(target=lambda: pulled.append(pull_into(transport, server, consumer, "r", [1], [0])))
+        with caplog.at_level("WARNING", logger="pdcluster.kv_transfer.transports.rpc"):
+            puller.start()
+            deadline = time.monotonic() + 30
+            while "take all 1 of its threads (Pull 1)" not in caplog.text:
+                assert time.monotonic() < deadline, f"no busy warning: {caplog.text!r}"
+                time.sleep(0.01)  # poll interval
+        producer.leases.add("r", [1], time.monotonic() + 600)
+        puller.join(30)
+        assert pulled and pulled[0][1]  # pulled, then released
+        while +server.authorizer.busy:  # each call leaves the count as it ends
+            assert time.monotonic() < deadline + 30, f"calls left in progress: {server.authorizer.busy}"
+            time.sleep(0.01)  # poll interval
+    finally:
+        server.stop(0)

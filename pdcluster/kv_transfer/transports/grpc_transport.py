@@ -187,7 +187,7 @@ class GrpcServer(TransportServer):
         servicer = self._servicer = _Servicer(producer, offers, settings.server_threads)
         self._extensions = list(extensions)
         auth = self.auth = ServerAuth(settings.secret_value())
-        authorize = rpc.Authorizer(auth)
+        authorize = self.authorizer = rpc.Authorizer(auth, settings.server_threads)
         handlers = {
             **rpc.session_handlers(auth, authorize),
             "Handshake": rpc.unary_unary(

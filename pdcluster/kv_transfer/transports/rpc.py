@@ -5,7 +5,9 @@ Server: every handler is built by `unary_unary`/`unary_stream`/`stream_stream` h
 it the raw request bytes (no deserializer); the handler checks the call's credentials
 (auth.ServerAuth) and only then parses them. The server's receive limit is `CONTROL_LIMIT`:
 it only ever receives control messages. A refusal aborts with UNAUTHENTICATED and is logged once
-per peer host and reason.
+per peer host and reason. The authorizer also counts the calls in progress by method: when they
+take every one of the server's threads (the next calls wait), it says which (at most every
+`BUSY_WARNING_INTERVAL_S`).
 
 Client: `ControlChannel` owns the channel (TLS when configured) and the session; `metadata(m)`
 is what a call of method `m` carries. A server that forgot the session (restart) answers
@@ -14,8 +16,11 @@ STALE_SESSION before doing anything, so `call` opens a new session and retries o
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -48,6 +53,7 @@ logger = logging.getLogger(__name__)
 SERVICE = "pdcluster.kv.v3.KVTransfer"
 CONTROL_LIMIT = 1 << 20  # what a KV server accepts in one message (control only; KV flows out)
 BULK_LIMIT = 256 << 20  # what a KV client accepts from the server it authenticated
+BUSY_WARNING_INTERVAL_S = 10.0
 T = TypeVar("T")
 
 
@@ -99,9 +105,13 @@ def open_channel(endpoint: str, settings: KVTransferSettings) -> grpc.Channel:
 class Authorizer:
     """Checks each call's credentials against the server's sessions; aborts the call otherwise."""
 
-    def __init__(self, auth: ServerAuth):
+    def __init__(self, auth: ServerAuth, threads: int = 0):
         self.auth = auth
         self._warn = WarnOnce(logger)
+        self.threads = threads  # the server's (0: not known)
+        self.busy: Counter[str] = Counter()  # authenticated calls in progress, by method
+        self._busy_lock = threading.Lock()
+        self._last_busy_warning = float("-inf")
 
     def __call__(self, context: grpc.ServicerContext, method: str) -> ServerSession:
         token = ""
@@ -109,10 +119,33 @@ class Authorizer:
             if key == AUTH_METADATA_KEY:
                 token = value if isinstance(value, str) else value.decode(errors="replace")
         try:
-            return self.auth.verify(token, method)
+            session = self.auth.verify(token, method)
         except AuthRefused as exc:
             self.refuse(context, str(exc))
             raise  # abort raised already; for type checkers
+        self._enter(context, method)
+        return session
+
+    def _enter(self, context: grpc.ServicerContext, method: str) -> None:
+        """Count the call until it ends; say so when the calls in progress take every thread."""
+        now = time.monotonic()
+        with self._busy_lock:
+            self.busy[method] += 1
+            full = 0 < self.threads <= sum(self.busy.values())
+            warn = full and now - self._last_busy_warning >= BUSY_WARNING_INTERVAL_S
+            if warn:
+                self._last_busy_warning = now
+                calls = ", ".join(f"{m} {n}" for m, n in sorted(self.busy.items()) if n)
+        if not context.add_callback(functools.partial(self._leave, method)):
+            self._leave(method)  # the call ended already
+        if warn:
+            logger.warning(
+                "KV server: calls in progress take all %d of its threads (%s); others wait", self.threads, calls
+            )
+
+    def _leave(self, method: str) -> None:
+        with self._busy_lock:
+            self.busy[method] -= 1
 
     def refuse(self, context: grpc.ServicerContext, reason: str) -> None:
         host = context.peer().rpartition(":")[0]
