@@ -49,14 +49,19 @@ def engine_specs(secret):
             secret,
             kv={"lease_seconds": LEASE_S, "backend": "auto", "bind_host": "0.0.0.0", "advertise_host": "127.0.0.1"},
         ),
-        # every thread of it on core 1 (cpu_bind_scope replica); the others bind their engine thread
-        spec("decode", "decode", "1", secret, scope="replica"),
+        # binds its engine thread to core 1 (as the others do), the rest of it runs on any core:
+        # the clusters lane's decodes take core 1 whole (configs/local-cpu.yaml), and a decode
+        # confined to it with them pulled its batch too late for its leases
+        spec("decode", "decode", "1", secret),
         # vLLM's own CPU layout (a worker process holds the model); the others run single-process
         spec("decode-shm", "decode", "1", secret, kv={"backend": "auto"}, single_process=False),
         spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
         # one request at a time: a second one queues (lease renewal)
         spec("decode-mooncake", "decode", "1", secret, kv={"backend": "mooncake"}, max_num_seqs=1),
-        spec("decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}),
+        # every thread of it on core 1 (cpu_bind_scope replica: test_threads_and_sockets)
+        spec(
+            "decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}, scope="replica"
+        ),
         spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
     ]
 
