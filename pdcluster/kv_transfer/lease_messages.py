@@ -66,16 +66,21 @@ class LeaseMessages:
             except RuntimeError:
                 logger.debug("not renewing %d leases: shutting down", len(request_ids))
 
+    def keep_due(self) -> bool:
+        """Whether `keep` would renew now: the scheduler's cadence, every lease_seconds / 6 (the
+        caller need not gather what waits on the steps between)."""
+        return time.time() - self._last_keep >= self.settings.lease_seconds / 6
+
     def keep(self, waiting: dict[str, tuple[KVParams, float]]) -> None:
         """Renew the leases of pulls waiting for a pull thread (request id -> (lease, until when
-        it is known to hold: its expiry, or the scheduler's renewals)), at the scheduler's cadence
-        (every lease_seconds / 6). A lease known to have ended is not renewed (nor dialed)."""
+        it is known to hold: PullSpec.lease_until)), at the scheduler's cadence (`keep_due`). A
+        lease known to have ended is not renewed (nor dialed)."""
         now = time.time()
         with self._lock:
-            self._kept = {rid: until for rid, until in self._kept.items() if until > now}  # kept_until pops the rest
             if not waiting or now - self._last_keep < self.settings.lease_seconds / 6:
                 return
             self._last_keep = now
+            self._kept = {rid: until for rid, until in self._kept.items() if until > now}  # kept_until pops the rest
             live = [rid for rid, (_, until) in waiting.items() if max(until, self._kept.get(rid, 0.0)) > now]
             for request_id in live:
                 self._kept[request_id] = now + self.settings.lease_seconds

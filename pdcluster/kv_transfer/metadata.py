@@ -49,6 +49,13 @@ class PullSpec:
     remote_offset: int = 0  # awaiting: the lease's first block to read (after the local hit)
     num_tokens: int = 0  # awaiting: the prompt tokens the lease must cover
 
+    @property
+    def lease_until(self) -> float:
+        """Until when the lease is known to hold (unix time): its expiry as signed, or as the
+        scheduler's renewals extended it."""
+        assert self.remote is not None
+        return max(self.remote.remote_lease_expiry, self.renewed_until)
+
 
 @dataclass(frozen=True)
 class ReleaseSpec:

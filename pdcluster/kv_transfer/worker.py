@@ -241,9 +241,10 @@ class ConnectorWorker:
                 self._messages.release_later(release.remote, False)
             if meta.renewals:
                 self._messages.renew(meta.renewals)
-            with self._pending_lock:
-                waiting = dict(self._waiting)
-            self._messages.keep(waiting)
+            if self._waiting and self._messages.keep_due():
+                with self._pending_lock:
+                    waiting = dict(self._waiting)
+                self._messages.keep(waiting)
 
     def after_forward(self) -> None:
         """End of a step (target and draft forwards): remember what the producer must wait on."""
@@ -346,7 +347,7 @@ class ConnectorWorker:
                 return
             future = self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
             if spec.remote is not None:
-                self._waiting[spec.request_id] = (spec.remote, max(spec.remote.remote_lease_expiry, spec.renewed_until))
+                self._waiting[spec.request_id] = (spec.remote, spec.lease_until)
         future.add_done_callback(lambda _: self.waker.wake())
 
     def _report_failed(self, request_id: str, error: str, cause: str) -> None:
@@ -369,8 +370,7 @@ class ConnectorWorker:
             if faults.config.pull_delay_s:
                 time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
             assert self._messages is not None
-            kept = self._messages.kept_until(spec.request_id)
-            expiry = max(spec.remote.remote_lease_expiry, spec.renewed_until, kept)
+            expiry = max(spec.lease_until, self._messages.kept_until(spec.request_id))
             if time.time() > expiry:
                 # The producer has freed (or is freeing) the blocks: dialing would only wait.
                 raise LeaseExpiredError(
