@@ -5,8 +5,9 @@ They never queue behind pulls: a stalled pull would otherwise hold the blocks of
 done, and let the leases of waiting requests expire. Renewals cover every request whose lease
 this consumer still has to pull: the scheduler's queued requests (their renewals come in the
 step's metadata) and the pulls waiting for a pull thread (`keep`: a burst of slow pulls would
-otherwise outlast the leases of the pulls behind them). A renewal extends a lease to the
-cluster's `lease_seconds` from now.
+otherwise outlast the leases of the pulls behind them). A renewal extends a lease to its
+producer's `lease_seconds` from now (`RenewalCadence`: the producer's params say how long, which
+need not be this consumer's setting).
 """
 
 from __future__ import annotations
@@ -25,6 +26,30 @@ from pdcluster.kv_transfer.transports.base import TransportClient
 logger = logging.getLogger(__name__)
 
 
+class RenewalCadence:
+    """When a consumer renews the leases it keeps, and until when a renewal keeps one.
+
+    A renewal keeps a lease for its producer's lease_seconds (its params say; the consumer's own
+    setting where they do not). Renewals go out every sixth of the shortest lease seen (vLLM's NIXL
+    heartbeat), so a producer whose leases are shorter than this consumer's are renewed in time."""
+
+    def __init__(self, lease_seconds: float):
+        self.default = lease_seconds
+        self.shortest = lease_seconds
+        self.last = 0.0  # unix time of the last renewals
+
+    def saw(self, lease: KVParams) -> None:
+        """A lease this consumer may renew."""
+        self.shortest = min(self.shortest, lease.lease_seconds_or(self.default))
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.shortest / 6
+
+    def kept_until(self, lease: KVParams, now: float) -> float:
+        """Until when a renewal sent at `now` keeps `lease` (unix time)."""
+        return now + lease.lease_seconds_or(self.default)
+
+
 class LeaseMessages:
     def __init__(
         self,
@@ -40,7 +65,7 @@ class LeaseMessages:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-lease-messages")
         self._lock = threading.Lock()
         self._kept: dict[str, float] = {}  # request id -> unix time `keep`'s renewals hold it to
-        self._last_keep = 0.0
+        self.cadence = RenewalCadence(settings.lease_seconds)  # of `keep`; the worker tells it `saw`
 
     def release_later(self, lease: KVParams, transferred: bool) -> None:
         """The load's report to vLLM does not wait for the producer's answer. A release never
@@ -67,9 +92,9 @@ class LeaseMessages:
                 logger.debug("not renewing %d leases: shutting down", len(request_ids))
 
     def keep_due(self) -> bool:
-        """Whether `keep` would renew now: the scheduler's cadence, every lease_seconds / 6 (the
+        """Whether `keep` would renew now (`RenewalCadence`, as the scheduler's renewals; the
         caller need not gather what waits on the steps between)."""
-        return time.time() - self._last_keep >= self.settings.lease_seconds / 6
+        return self.cadence.due(time.time())
 
     def keep(self, waiting: dict[str, tuple[KVParams, float]]) -> None:
         """Renew the leases of pulls waiting for a pull thread (request id -> (lease, until when
@@ -77,13 +102,13 @@ class LeaseMessages:
         lease known to have ended is not renewed (nor dialed)."""
         now = time.time()
         with self._lock:
-            if not waiting or now - self._last_keep < self.settings.lease_seconds / 6:
+            if not waiting or not self.cadence.due(now):
                 return
-            self._last_keep = now
+            self.cadence.last = now
             self._kept = {rid: until for rid, until in self._kept.items() if until > now}  # kept_until pops the rest
             live = [rid for rid, (_, until) in waiting.items() if max(until, self._kept.get(rid, 0.0)) > now]
             for request_id in live:
-                self._kept[request_id] = now + self.settings.lease_seconds
+                self._kept[request_id] = self.cadence.kept_until(waiting[request_id][0], now)
         self.renew(waiting[rid][0] for rid in live)
 
     def kept_until(self, request_id: str) -> float:

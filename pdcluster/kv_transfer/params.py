@@ -54,6 +54,14 @@ class KVParams:
     remote_num_tokens: int  # prompt tokens the producer computed (fewer with MTP back-off)
     remote_lease_expiry: float  # unix time after which the producer frees the blocks
     signature: str = ""  # the producer's: signed(key), hex
+    # How long the producer's leases last (its kv_transfer.lease_seconds): the expiry less this is
+    # when the lease was filed, and a renewal keeps the lease this long. 0: not said (params of a
+    # producer from before the field), the consumer assumes its own setting (`lease_seconds_or`).
+    remote_lease_seconds: float = 0.0
+
+    def lease_seconds_or(self, default: float) -> float:
+        """How long this producer's leases last; `default` where its params do not say."""
+        return self.remote_lease_seconds if self.remote_lease_seconds > 0 else default
 
     def _signed_text(self) -> str:
         fields = [
@@ -64,6 +72,8 @@ class KVParams:
             self.remote_num_tokens,
             repr(float(self.remote_lease_expiry)),  # repr round-trips a float exactly (and JSON too)
         ]
+        if self.remote_lease_seconds > 0:  # absent from the text where absent from the params
+            fields.append(repr(float(self.remote_lease_seconds)))
         return json.dumps(fields, separators=(",", ":"))
 
     def signed(self, key: bytes) -> KVParams:
@@ -85,6 +95,7 @@ class KVParams:
             "remote_block_ids": list(self.remote_block_ids),
             "remote_num_tokens": self.remote_num_tokens,
             "remote_lease_expiry": self.remote_lease_expiry,
+            "remote_lease_seconds": self.remote_lease_seconds,
             "remote_signature": self.signature,
         }
 
@@ -108,6 +119,7 @@ class KVParams:
                 remote_num_tokens=_int(params["remote_num_tokens"]),
                 remote_lease_expiry=float(params["remote_lease_expiry"]),
                 signature=str(params.get("remote_signature") or ""),
+                remote_lease_seconds=float(params.get("remote_lease_seconds") or 0.0),
             )
         except KeyError as exc:
             raise ValueError(f"kv_transfer_params lacks {exc.args[0]!r}") from None
@@ -115,6 +127,8 @@ class KVParams:
             raise ValueError(f"kv_transfer_params malformed: {exc}") from None
         if out.remote_num_tokens < 0 or any(b < 0 for b in out.remote_block_ids):
             raise ValueError("kv_transfer_params malformed: negative token count or block id")
+        if not 0 <= out.remote_lease_seconds < float("inf"):
+            raise ValueError("kv_transfer_params malformed: remote_lease_seconds must be a finite number >= 0")
         return out
 
 

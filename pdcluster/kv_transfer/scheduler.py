@@ -31,6 +31,7 @@ from pdcluster import compat
 from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import colocated
 from pdcluster.kv_transfer import params as kvp
+from pdcluster.kv_transfer.lease_messages import RenewalCadence
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
     PDConnectorMetadata,
@@ -75,11 +76,11 @@ class ConnectorScheduler:
         self.prefill_backoff = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
         self.endpoints: list[str | None] = [None] * self.tp_size
         self._meta = PDConnectorMetadata()
-        # Consumer: leases of requests queued here (not yet pulled), renewed every
-        # lease_seconds / 6 so a long queue does not expire them (vLLM's NIXL heartbeat).
+        # Consumer: leases of requests queued here (not yet pulled), renewed every sixth of a
+        # lease so a long queue does not expire them (vLLM's NIXL heartbeat; RenewalCadence).
         self._queued: dict[str, KVParams] = {}
         self._renewed_until: dict[str, float] = {}
-        self._last_renewal = 0.0
+        self.renewals = RenewalCadence(settings.lease_seconds)
         # Consumer: requests admitted ahead of their prefill, until their first token is in.
         self._awaiting: dict[str, tuple[Request, AwaitParams]] = {}
         # Producer: the params it hands out are signed (params.py); decode verifies before dialing.
@@ -102,7 +103,8 @@ class ConnectorScheduler:
             self._truncate_for_prefill(request, params)
         if self.is_consumer and kvp.wants_remote_prefill(params):
             try:
-                self._queued[request.request_id] = KVParams.from_dict(params)
+                lease = self._queued[request.request_id] = KVParams.from_dict(params)
+                self.renewals.saw(lease)
             except ValueError:
                 return  # update_state_after_alloc says why, once
         elif self.is_consumer and kvp.wants_lease_await(params):
@@ -132,11 +134,11 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
         meta, self._meta = self._meta, PDConnectorMetadata()
         now = time.time()
-        if self._queued and now - self._last_renewal >= self.settings.lease_seconds / 6:
-            self._last_renewal = now
+        if self._queued and self.renewals.due(now):
+            self.renewals.last = now
             meta.renewals = list(self._queued.values())
-            for request_id in self._queued:
-                self._renewed_until[request_id] = now + self.settings.lease_seconds
+            for request_id, lease in self._queued.items():
+                self._renewed_until[request_id] = self.renewals.kept_until(lease, now)
         return meta
 
     # -- consumer --------------------------------------------------------------------------
@@ -278,6 +280,7 @@ class ConnectorScheduler:
             remote_block_ids=tuple(block_ids),
             remote_num_tokens=request.num_computed_tokens,
             remote_lease_expiry=expiry,
+            remote_lease_seconds=self.settings.lease_seconds,
         ).signed(self._params_key)
         key = kvp.lease_key(params)
         handout = {}

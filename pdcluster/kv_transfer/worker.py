@@ -348,6 +348,8 @@ class ConnectorWorker:
             future = self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
             if spec.remote is not None:
                 self._waiting[spec.request_id] = (spec.remote, spec.lease_until)
+                if self._messages is not None:
+                    self._messages.cadence.saw(spec.remote)
         future.add_done_callback(lambda _: self.waker.wake())
 
     def _report_failed(self, request_id: str, error: str, cause: str) -> None:
@@ -362,8 +364,9 @@ class ConnectorWorker:
         started, clock = time.perf_counter(), ThreadClock()
         with self._pending_lock:
             self._waiting.pop(spec.request_id, None)  # no longer kept by LeaseMessages.keep
-        # expiry = filing + lease_seconds (the cluster's); across hosts this adds their clock offset
-        lease_wait = max(0.0, time.time() - (spec.remote.remote_lease_expiry - self.settings.lease_seconds))
+        # expiry = filing + the producer's lease_seconds; across hosts this adds their clock offset
+        filed = spec.remote.remote_lease_expiry - spec.remote.lease_seconds_or(self.settings.lease_seconds)
+        lease_wait = max(0.0, time.time() - filed)
         faults = self.faults
         event = None
         try:

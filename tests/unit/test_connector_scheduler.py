@@ -217,6 +217,7 @@ def test_producer_leases_what_it_computed(tmp_path):
     given = KVParams.from_dict(params)
     assert given.remote_block_ids == tuple(blocks) and given.remote_endpoints == ("198.18.0.5:47001",)
     assert given.remote_num_tokens == 300 and given.remote_request_id == req.request_id
+    assert given.remote_lease_seconds == KVTransferSettings().lease_seconds  # how long, for the consumer
     (held,) = connector.build_connector_meta(None).new_leases
     assert held.block_ids == tuple(blocks) and abs(held.expiry_unix - given.remote_lease_expiry) < 1e-6
 
@@ -268,14 +269,30 @@ def test_queued_requests_have_their_leases_renewed_until_their_pull(consumer):
     params = lease(200, [5, 6])
     req = request(hasher, PROMPT[:200], params)
     scheduler.add_request(req)
-    half._last_renewal = 0.0  # the last renewals were long ago
+    half.renewals.last = 0.0  # the last renewals were long ago
     meta = half.build_connector_meta(None)  # a step in which it stays queued
     assert [r.remote_request_id for r in meta.renewals] == [params["remote_request_id"]]
     assert half.build_connector_meta(None).renewals == []  # at most every lease_seconds / 6
     (pull,) = step(scheduler).pulls
     assert pull.renewed_until > params["remote_lease_expiry"] - 1
-    half._last_renewal = 0.0
+    half.renewals.last = 0.0
     assert half.build_connector_meta(None).renewals == []  # pulled: nothing left to renew
+
+
+def test_a_producer_with_shorter_leases_than_this_consumers_has_them_renewed_in_time(consumer):
+    """The producer's leases last 3 s, this consumer's setting says 30: its renewals go out every
+    sixth of the producer's lease (not every 5 s, when a queued lease would be over), and the pull
+    knows a renewal kept the lease 3 s, not 30."""
+    scheduler, hasher = consumer
+    half = scheduler.connector.connector_scheduler
+    params = {**lease(200, [5, 6]), "remote_lease_expiry": time.time() + 3, "remote_lease_seconds": 3.0}
+    scheduler.add_request(request(hasher, PROMPT[:200], params))
+    half.renewals.last = time.time() - 1  # renewals went out a second ago
+    meta = half.build_connector_meta(None)
+    assert [r.remote_request_id for r in meta.renewals] == [params["remote_request_id"]]
+    renewed_at = time.time()
+    (pull,) = step(scheduler).pulls
+    assert renewed_at < pull.renewed_until <= renewed_at + 3
 
 
 def test_an_engine_waits_idle_only_while_every_request_waits_on_its_connector_here(consumer_config, tmp_path):

@@ -41,14 +41,17 @@ def consumer():
     worker.shutdown()
 
 
-def lease(endpoint: str, blocks=(4, 5), expiry_in: float = 600) -> KVParams:
+def lease(
+    endpoint: str, blocks=(4, 5), expiry_in: float = 600, request_id: str = "req-1", lease_seconds: float = 0.0
+) -> KVParams:
     return KVParams(
         remote_engine_id="prefill-0",
-        remote_request_id="req-1",
+        remote_request_id=request_id,
         remote_endpoints=(endpoint,),
         remote_block_ids=tuple(blocks),
         remote_num_tokens=16 * len(blocks),
         remote_lease_expiry=time.time() + expiry_in,
+        remote_lease_seconds=lease_seconds,
     ).signed(derive_key(SECRET, KV_PARAMS))
 
 
@@ -87,12 +90,16 @@ def test_a_good_pull_lands(producer, consumer):
     assert outcome(consumer, spec) == "ok"
 
 
-def test_a_pull_times_the_handoff_stages_around_it(producer, consumer):
+@pytest.mark.parametrize("producer_lease_seconds", [0.0, 600.0], ids=["params-silent", "producer-says"])
+def test_a_pull_times_the_handoff_stages_around_it(producer, consumer, producer_lease_seconds):
     """A lease filed 2 s before its pull: the wait before the pull is counted from the filing
-    (the lease's expiry less lease_seconds), the report after it from the last byte."""
+    (the lease's expiry less the producer's lease_seconds, or the consumer's where its params do
+    not say), the report after it from the last byte."""
     source, address = producer
     source.leases.add("req-1", [4, 5], time.monotonic() + 600)
-    spec = PullSpec("d-1", lease(address, expiry_in=SETTINGS.lease_seconds - 2), (4, 5), (0, 1))
+    lasts = producer_lease_seconds or SETTINGS.lease_seconds
+    given = lease(address, expiry_in=lasts - 2, lease_seconds=producer_lease_seconds)
+    spec = PullSpec("d-1", given, (4, 5), (0, 1))
     assert outcome(consumer, spec) == "ok"
     stats = consumer.take_stats().data
     assert stats["pulls_ok"] == 1
@@ -226,22 +233,32 @@ def test_releases_and_renewals_do_not_queue_behind_a_stalled_pull():
         server.stop(0)
 
 
-def test_a_pull_waiting_for_a_pull_thread_keeps_its_lease():
+@pytest.mark.parametrize(
+    ("consumer_lease_s", "producer_lease_s"), [(6, 6), (30, 2)], ids=["same-lease", "producer-shorter"]
+)
+def test_a_pull_waiting_for_a_pull_thread_keeps_its_lease(consumer_lease_s, producer_lease_s):
     """The only pull thread waits on the producer (its lease is not filed yet) past the lease of
     the pull queued behind it: the consumer renews that lease while it waits, and its pull then
-    lands (it expired before: a failed load, the prefill recomputed)."""
-    settings = SETTINGS.model_copy(update={"pull_threads": 1, "pull_timeout_seconds": 60, "lease_seconds": 6})
-    source = KVProducer(make_cache(seed=3), "prefill-0", max_chunk_bytes=4096, lease_wait_s=60, lease_seconds=6)
+    lands (it expired before: a failed load, the prefill recomputed). Also where the producer's
+    leases are shorter than the consumer's setting (renewed every sixth of the producer's; before
+    its params said how long, every 5 s, after the lease was over)."""
+    settings = SETTINGS.model_copy(
+        update={"pull_threads": 1, "pull_timeout_seconds": 60, "lease_seconds": consumer_lease_s}
+    )
+    source = KVProducer(
+        make_cache(seed=3), "prefill-0", max_chunk_bytes=4096, lease_wait_s=60, lease_seconds=producer_lease_s
+    )
     server = create_transport("grpc", settings).serve(source, "127.0.0.1", 0)
     worker = make_worker(settings, "decode-0", producer=False, fill="zeros")
     try:
         address = server.address
-        first = PullSpec("d-1", lease(address), (4, 5), (0, 1))  # req-1: filed only below
-        second_lease = KVParams(**{**lease(address, expiry_in=3).__dict__, "remote_request_id": "req-2"})
-        second = PullSpec("d-2", second_lease.signed(derive_key(SECRET, KV_PARAMS)), (6,), (2,))
-        source.leases.add("req-2", [6], time.monotonic() + 3)
+        said = producer_lease_s if producer_lease_s != consumer_lease_s else 0.0  # the old params' case too
+        first = PullSpec("d-1", lease(address, lease_seconds=said), (4, 5), (0, 1))  # req-1: filed only below
+        unrenewed = producer_lease_s / 2
+        second = PullSpec("d-2", lease(address, (6,), unrenewed, "req-2", said), (6,), (2,))
+        source.leases.add("req-2", [6], time.monotonic() + unrenewed)
         worker.bind(PDConnectorMetadata(pulls=[first, second]))
-        deadline = time.monotonic() + 12  # two of req-2's unrenewed lease lengths
+        deadline = time.monotonic() + 4 * unrenewed
         while time.monotonic() < deadline:
             worker.bind(PDConnectorMetadata())  # the engine's steps, while d-2 waits
             assert not source.leases.collect_finished(), "req-2's lease expired while its pull waited"

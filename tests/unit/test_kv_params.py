@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +36,7 @@ def test_round_trip_and_flags():
         "remote_block_ids",
         "remote_num_tokens",
         "remote_lease_expiry",
+        "remote_lease_seconds",
         "remote_signature",
     }
 
@@ -59,12 +61,25 @@ def test_signed_params_verify_after_the_json_round_trip_the_router_makes():
         {"remote_block_ids": [4, 9, 3]},
         {"remote_num_tokens": 301},
         {"remote_lease_expiry": 1764567890.75},
+        {"remote_lease_seconds": 60.0},
         {"remote_signature": "00" * 32},
     ],
 )
-def test_any_altered_field_breaks_the_signature(change):
-    params = {**LEASE.signed(KEY).to_dict(), **change}
-    assert not KVParams.from_dict(params).verify(KEY)
+@pytest.mark.parametrize("lease_seconds", [0.0, 30.0])
+def test_any_altered_field_breaks_the_signature(change, lease_seconds):
+    signed = replace(LEASE, remote_lease_seconds=lease_seconds).signed(KEY)
+    assert KVParams.from_dict(signed.to_dict()).verify(KEY)
+    assert not KVParams.from_dict({**signed.to_dict(), **change}).verify(KEY)
+
+
+def test_params_that_do_not_say_how_long_leases_last_still_verify_and_read_as_the_consumers_setting():
+    """A producer from before `remote_lease_seconds` signed params without it: they verify as
+    they did, and the consumer takes its own lease_seconds for theirs."""
+    old = LEASE.signed(KEY).to_dict()
+    del old["remote_lease_seconds"]
+    read = KVParams.from_dict(old)
+    assert read.verify(KEY) and read.lease_seconds_or(30.0) == 30.0
+    assert replace(LEASE, remote_lease_seconds=10.0).lease_seconds_or(30.0) == 10.0
 
 
 @pytest.mark.parametrize(
@@ -78,6 +93,9 @@ def test_any_altered_field_breaks_the_signature(change):
         ({"remote_block_ids": [-1]}, "negative"),
         ({"remote_num_tokens": 3.5}, "not an integer"),
         ({"remote_lease_expiry": "soon"}, "malformed"),
+        ({"remote_lease_seconds": -1}, "remote_lease_seconds must be a finite number"),
+        ({"remote_lease_seconds": float("nan")}, "remote_lease_seconds must be a finite number"),
+        ({"remote_lease_seconds": "long"}, "malformed"),
     ],
 )
 def test_malformed_params_name_the_problem(change, message):
