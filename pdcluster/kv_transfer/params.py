@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdcluster.keys import mac
+from pdcluster.kv_transfer.settings import DAY, MIN_LEASE_S
 
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
@@ -127,8 +128,13 @@ class KVParams:
             raise ValueError(f"kv_transfer_params malformed: {exc}") from None
         if out.remote_num_tokens < 0 or any(b < 0 for b in out.remote_block_ids):
             raise ValueError("kv_transfer_params malformed: negative token count or block id")
-        if not 0 <= out.remote_lease_seconds < float("inf"):
-            raise ValueError("kv_transfer_params malformed: remote_lease_seconds must be a finite number >= 0")
+        if out.remote_lease_seconds and not MIN_LEASE_S <= out.remote_lease_seconds <= DAY:
+            # bounded as the producer's setting is: unverified params must not make the consumer's
+            # renewals (every sixth of the shortest lease it saw) run every step
+            raise ValueError(
+                f"kv_transfer_params malformed: remote_lease_seconds must be 0 (not said) or "
+                f"{MIN_LEASE_S:g} to {DAY:g}, got {out.remote_lease_seconds!r}"
+            )
         return out
 
 

@@ -22,6 +22,7 @@ from pdcluster.errors import ConfigError, format_errors
 Backend = Literal["auto", "grpc", "shm", "collective", "mooncake"]
 EPHEMERAL_PORTS = (0, 0)
 MAX_CHUNK_LIMIT = 256 << 20  # gRPC messages carry a chunk; grpcio refuses sizes near 2 GiB
+MIN_LEASE_S = 1.0  # shortest lease: a consumer renews every sixth of one (params.KVParams too)
 DAY = 86400.0  # bound of every duration: timedelta and gRPC deadlines overflow far beyond it
 
 
@@ -145,7 +146,9 @@ class KVTransferSettings(_Section):
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="What decode does when a pull fails: recompute, or fail the request."
     )
-    lease_seconds: float = Field(30, gt=0, le=DAY, description="Prefill frees unclaimed KV after this long.")
+    lease_seconds: float = Field(
+        30, ge=MIN_LEASE_S, le=DAY, description="Prefill frees unclaimed KV after this long (at least 1 s)."
+    )
     pull_timeout_seconds: float = Field(30, gt=0, le=DAY, description="Deadline of one KV pull.")
     release_timeout_seconds: float = Field(5, gt=0, le=DAY, description="Deadline of one lease release message.")
     lease_wait_seconds: float = Field(

@@ -273,3 +273,9 @@ def test_a_bad_credential_is_named_but_never_echoed():
 def test_values_a_library_would_overflow_on_are_config_errors(field, value):
     with pytest.raises(ConfigError, match=f"kv_transfer.{field}"):
         validate_config({**BASE, "kv_transfer": {field: value}})
+
+
+def test_a_lease_under_a_second_is_a_config_error():
+    """A consumer renews every sixth of a lease: 10 ms leases would have it renew every step."""
+    with pytest.raises(ConfigError, match="kv_transfer.lease_seconds"):
+        validate_config({**BASE, "kv_transfer": {"lease_seconds": 0.01}})

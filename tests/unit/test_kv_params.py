@@ -93,8 +93,10 @@ def test_params_that_do_not_say_how_long_leases_last_still_verify_and_read_as_th
         ({"remote_block_ids": [-1]}, "negative"),
         ({"remote_num_tokens": 3.5}, "not an integer"),
         ({"remote_lease_expiry": "soon"}, "malformed"),
-        ({"remote_lease_seconds": -1}, "remote_lease_seconds must be a finite number"),
-        ({"remote_lease_seconds": float("nan")}, "remote_lease_seconds must be a finite number"),
+        ({"remote_lease_seconds": -1}, "remote_lease_seconds must be 0"),
+        ({"remote_lease_seconds": 1e-6}, "remote_lease_seconds must be 0"),  # renewals every step
+        ({"remote_lease_seconds": float("nan")}, "remote_lease_seconds must be 0"),
+        ({"remote_lease_seconds": float("inf")}, "remote_lease_seconds must be 0"),
         ({"remote_lease_seconds": "long"}, "malformed"),
     ],
 )
