@@ -17,6 +17,9 @@ same venv stays stock:
     (compat.set_queue_reader_spin, per role from the config, see spin_for_this_process);
   - idle steps: an engine core whose requests only wait on our connector waits for it instead
     of stepping every 1 ms (compat.wait_between_idle_steps, kv_transfer/colocated.py).
+  - sampled requests with speculative decoding on CPU: vLLM's CPU fallback spreads their
+    temperature, top_k and top_p over draft tokens as uninitialized memory, and a top_k-only
+    step without drafts kills the engine core (compat.fix_cpu_spec_sampling).
 - `pdcluster_amx_permission` (`register_amx_permission`) only requests AMX permission, and only
   where VLLM_PLUGINS names it: the one fix a stock vLLM needs on AMX CPUs to decode on
   transferred KV at all (bench/serve.py's vLLM P/D baseline loads it there, and nothing else).
@@ -116,6 +119,7 @@ def register() -> None:
     if os.environ.get(WORKER_SPIN_ENV):
         set_worker_spin(spin_for_this_process(float(os.environ[WORKER_SPIN_ENV])))
     compat.keep_queue_pings()
+    compat.fix_cpu_spec_sampling()  # sampled requests with MTP on CPU (compat/vllm_sampling.py)
     from pdcluster.kv_transfer import colocated
 
     compat.wait_between_idle_steps(colocated.idle_wait, colocated.outputs_queued)

@@ -35,6 +35,8 @@ The reaches, by module:
   vllm_frontend  openai_frontend_args, build_openai_app (launchers' make_arg_parser, build_app,
                  init_app_state), platform_device (current_platform): engine/host.py;
                  answer_vllm_version_lookup (cli.main's version lookup): vllm_cli.py
+  vllm_sampling  fix_cpu_spec_sampling (rejection_sampler.expand_batch_to_tokens,
+                 apply_sampling_constraints): vllm_plugin.py
   torch_dist     gloo_pair_group, nccl_pair_group, hccl_pair_group (ProcessGroup*._Options /
                  Options, _timeout, _devices): kv_transfer/transports/collective.py
 """
@@ -88,6 +90,7 @@ from pdcluster.compat.vllm_queues import (
     queue_reader_spin,
     set_queue_reader_spin,
 )
+from pdcluster.compat.vllm_sampling import check_spec_sampling, fix_cpu_spec_sampling
 
 
 def _parse_check() -> None:
@@ -114,6 +117,7 @@ def shape_checks() -> dict[str, Callable[[], Any]]:
         "answer_vllm_version_lookup": cli_main,
         "gloo_pair_group": gloo_options,
         "block_hasher": check_block_hasher,
+        "fix_cpu_spec_sampling": check_spec_sampling,
     }
 
 
@@ -147,6 +151,7 @@ __all__ = [
     "executor_choice",
     "extend_prompt",
     "external_hash",
+    "fix_cpu_spec_sampling",
     "gloo_pair_group",
     "hccl_pair_group",
     "installed_vllm_version",

@@ -54,9 +54,9 @@ def engines(tmp_path_factory, reference_engine):
         yield {"agg-off": reference_engine, **running}  # the reference: no speculation (conftest.py)
 
 
-def generate(engine, prompt, kv_transfer_params=None, max_tokens=MAX_TOKENS):
+def generate(engine, prompt, kv_transfer_params=None, max_tokens=MAX_TOKENS, **sampling):
     extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-    response = complete(engine, prompt, max_tokens, **extra)
+    response = complete(engine, prompt, max_tokens, **extra, **sampling)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -99,3 +99,33 @@ def test_pd_with_mtp_is_lossless_and_keeps_acceptance(engines, reference, k):
         assert_same_greedy(want, pd_out[i], DTYPE, f"P/D MTP k={k}, prompt {i}")  # == no MTP
     assert abs(pd_rate - agg_rate) <= 0.03, f"P/D acceptance {pd_rate:.3f} vs aggregated {agg_rate:.3f}"
     assert agg_rate > 0.3  # the trained head drafts well; a broken handoff would not move this
+
+
+NEAR_ZERO_TEMPERATURE = 1e-4  # sampled (the rejection sampler's random path), yet all but greedy
+NEAR_TIE = 0.01  # a top-1 margin under which even that temperature may pick the runner-up
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("constraints", [{"top_k": 5}, {"top_p": 0.9}, {}], ids=["top_k", "top_p", "temperature"])
+def test_sampled_requests_with_mtp_are_judged_at_their_own_sampling_parameters(engines, reference, k, constraints):
+    """A sampled request at a temperature near zero yields the greedy tokens, aggregated and
+    through P/D, up to its first near tie: its draft tokens are judged at its own temperature,
+    top_k and top_p. On CPU, vLLM spread those over the drafts as uninitialized memory (tokens off
+    the greedy ones, or an index error that killed the engine core), and a top_k-only request
+    killed it in a step without drafts (compat.fix_cpu_spec_sampling)."""
+    agg, prefill, decode = engines[f"agg-k{k}"], engines[f"prefill-k{k}"], engines[f"decode-k{k}"]
+    sampling = {"temperature": NEAR_ZERO_TEMPERATURE, "seed": 7, **constraints}
+    compared = 0
+    for i, prompt in enumerate(PROMPTS[:4]):
+        want = reference[i]
+        until = next((j for j, gap in enumerate(want.gaps) if gap < NEAR_TIE), len(want.token_ids))
+        params = generate(prefill, prompt, {"do_remote_decode": True}, max_tokens=1, **sampling)["kv_transfer_params"]
+        runs = {
+            "aggregated": generate(agg, prompt, **sampling),
+            "P/D": generate(decode, prompt, params, **sampling),
+        }
+        for setup, answer in runs.items():
+            got = [int(t) for t in answer["choices"][0]["token_ids"]]
+            assert got[:until] == want.token_ids[:until], f"{setup} MTP k={k} {constraints}, prompt {i}"
+        compared += until
+    assert compared >= 40, "too few tokens before a near tie to tell"

@@ -79,10 +79,19 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from pdcluster import compat, vllm_plugin
 spin, recheck_ms = compat.queue_reader_spin()
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.sample import rejection_sampler
+current_platform.register_triton_kernel_overrides()  # as a CPU worker does after the plugins
+# requests' temperatures (0: greedy, made 1) over their draft tokens: 2, 0 and 3 of them
+spread = rejection_sampler.expand_batch_to_tokens(
+    torch.tensor([0.0, 0.75, 0.5]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, 0, 1
+).tolist()
 print(json.dumps({
     "spin_s": spin, "recheck_ms": recheck_ms, "pings_kept": compat.queue_pings_kept(),
     "pdcluster_logging": bool(logging.getLogger("pdcluster").handlers),
     "amx_asked": vllm_plugin._amx_requested is not None,
+    "drafts_sampled_right": spread == [1.0, 1.0, 0.5, 0.5, 0.5],
 }))
 """
 
@@ -101,7 +110,15 @@ def probe(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-STOCK = {"spin_s": 1, "recheck_ms": 5000, "pings_kept": False, "pdcluster_logging": False}
+# drafts_sampled_right: stock vLLM's CPU fallback leaves the spread uninitialized
+# (compat.fix_cpu_spec_sampling; tests/e2e/test_mtp_pd.py shows what that does to requests)
+STOCK = {
+    "spin_s": 1,
+    "recheck_ms": 5000,
+    "pings_kept": False,
+    "pdcluster_logging": False,
+    "drafts_sampled_right": False,
+}
 
 
 def test_a_process_pdcluster_did_not_launch_keeps_stock_vllm():
@@ -116,6 +133,7 @@ def test_a_process_pdcluster_launched_gets_the_fixes():
         "pings_kept": True,
         "pdcluster_logging": True,
         "amx_asked": True,
+        "drafts_sampled_right": True,
     }
 
 
