@@ -33,6 +33,9 @@ from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_PROMPT_TOKENS = 4  # under a KV block at vLLM's usual sizes (16 on GPU, 128 on CPU): nothing cached
+WARM_UP_TOKENS = 2
+
 
 def frontend_args(spec: EngineSpec, host: str, port: int):
     """vLLM's OpenAI-server argument namespace, for the frontend parts of the app."""
@@ -129,6 +132,7 @@ class EngineHost:
             usage_context=UsageContext.OPENAI_API_SERVER,
             stat_loggers=[lambda config, index=0: recorder],
         )
+        await self._warm_up()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.spec.http_host, self.spec.http_port))
@@ -146,6 +150,24 @@ class EngineHost:
         self.started_at = time.time()
         logger.info("engine %s (%s) serving on %s", self.spec.engine_id, self.spec.role, self.url)
         return self.url
+
+    async def _warm_up(self) -> None:
+        """One short request through the engine before it serves. vLLM compiles parts of its
+        sampler on first use (torch.compile, inductor on CPU: the ranks of sampled tokens that
+        logprobs report): without this, the engine's first request asking for logprobs stalls
+        every stream of the engine while it compiles (2-3 s on an idle core, over a minute on a
+        busy one; its start-up warm-up covers sampling, not logprobs). The prompt is shorter
+        than a KV block, so nothing of it is cached (no prefix-cache entry, no KV event); the
+        stats it produced are cleared."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, logprobs=1, prompt_logprobs=1)
+        started = time.perf_counter()
+        prompt = {"prompt_token_ids": list(range(1, WARM_UP_PROMPT_TOKENS + 1))}
+        async for _ in self.engine.generate(prompt, params, f"pdcluster-warm-up-{self.spec.engine_id}"):
+            pass
+        self.stats.reset()  # every step of the request was recorded before its last output came
+        logger.info("engine %s warmed up in %.1f s", self.spec.engine_id, time.perf_counter() - started)
 
     def _abort_soon(self, loop: asyncio.AbstractEventLoop):
         """What the failure inbox calls (on its thread) for a request the engine must abort: a

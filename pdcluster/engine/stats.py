@@ -103,6 +103,11 @@ class EngineStatsRecorder(compat.stat_logger_base()):
     def log_engine_initialized(self) -> None:
         return
 
+    def reset(self) -> None:
+        """Forget every count so far (the host's warm-up request is not traffic)."""
+        with self._lock:
+            self._stats = EngineStats()
+
     def snapshot(self) -> EngineStats:
         with self._lock:
             return EngineStats(**asdict(self._stats))

@@ -1,0 +1,35 @@
+"""An engine compiles what vLLM compiles on first use before it serves, not on a user's request.
+
+vLLM's sampler compiles (torch.compile) the ranks that logprobs report on the first request that
+asks for them; the engine core compiles inside its step, so every stream of the engine waited
+(2-3 s on an idle core; 70-80 s in this suite's busiest minute, on a shared core). EngineHost
+warms the engine up with one request before it reports its URL, and clears the stats that
+request made. torch's own log (TORCH_LOGS)
+says when Dynamo traced a function; the engine's log says when it began to serve.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engines import run_engine, tiny_engine
+from tests.support.handoff import complete, info
+
+pytestmark = pytest.mark.e2e
+
+TRACED = "torchdynamo start tracing"  # what TORCH_LOGS=dynamo writes as Dynamo begins a compile
+SERVING = "serving on http"
+
+
+def test_a_first_logprobs_request_compiles_nothing(tmp_path):
+    spec = tiny_engine("warm", dtype="float32", cpu_threads_bind="1", extra_env={"TORCH_LOGS": "dynamo"})
+    with run_engine(spec, tmp_path) as engine:
+        assert info(engine)["stats"]["prefix_cache_queries"] == 0  # the warm-up is not traffic
+        for extra in ({"logprobs": 2}, {"logprobs": 1, "echo": True}):  # sampled tokens', prompt's
+            response = complete(engine, [5, 6, 7, 8, 9], 4, **extra)
+            assert response.status_code == 200, response.text
+        log = engine.log_path.read_text().splitlines()
+    serving = next(i for i, line in enumerate(log) if SERVING in line)
+    after = [line for line in log[serving:] if TRACED in line]
+    assert not after, f"compiled while serving: {after}"
+    assert any(TRACED in line for line in log[:serving]), "nothing compiled before serving: is TORCH_LOGS read?"
