@@ -32,8 +32,8 @@ The reaches, by module:
   vllm_prefix    block_hasher (kv_cache_utils.hash_block_tokens, resolve_none_hash_seed,
                  hashing.get_hash_fn_by_name): orchestrator/router/cache_index.py;
                  drops_last_cached_block (SpeculativeConfig.use_eagle_block_drop): engine/host.py
-  vllm_frontend  openai_frontend_args, build_openai_app (launchers' make_arg_parser, build_app,
-                 init_app_state), platform_device (current_platform): engine/host.py;
+  vllm_frontend  openai_frontend_args, build_openai_app, attach_server (launchers' make_arg_parser,
+                 build_app, init_app_state, app.state.server), platform_device (current_platform): engine/host.py;
                  answer_vllm_version_lookup (cli.main's version lookup): vllm_cli.py
   vllm_sampling  fix_cpu_spec_sampling (rejection_sampler.expand_batch_to_tokens,
                  apply_sampling_constraints): vllm_plugin.py
@@ -77,7 +77,9 @@ from pdcluster.compat.vllm_engine import (
 from pdcluster.compat.vllm_frontend import (
     answer_vllm_version_lookup,
     app_builders,
+    attach_server,
     build_openai_app,
+    check_attach_server,
     cli_main,
     openai_frontend_args,
     platform_device,
@@ -113,6 +115,7 @@ def shape_checks() -> dict[str, Callable[[], Any]]:
         "stat_logger_base": stat_logger_base,
         "openai_frontend_args": lambda: openai_frontend_args(["--model", "m", "--port", "0"]),
         "build_openai_app": app_builders,
+        "attach_server": check_attach_server,
         "platform_device": platform_device,
         "answer_vllm_version_lookup": cli_main,
         "gloo_pair_group": gloo_options,
@@ -140,6 +143,7 @@ __all__ = [
     "UntestedVLLMError",
     "VLLMShapeError",
     "answer_vllm_version_lookup",
+    "attach_server",
     "block_hasher",
     "blocks_and_local_hit",
     "build_openai_app",

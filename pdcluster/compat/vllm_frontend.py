@@ -54,6 +54,27 @@ async def build_openai_app(engine: Any, args: Any):
     return app
 
 
+def attach_server(app: Any, server: Any) -> None:
+    """Let vLLM's app stop `server` (our uvicorn server) once its engine is dead, as `vllm serve`.
+
+    Upstream: `vllm.entrypoints.launchers.launcher.serve_http` sets `app.state.server`, which the
+    app's handler of EngineDeadError / EngineGenerateError
+    (`vllm.entrypoints.serve.exception_handling.handlers.vllm_error.engine_error_handler`) hands
+    to `launcher.terminate_if_errored(server, engine)`. Why: our host builds its own server, and
+    without the attribute that handler raised AttributeError: a request to an engine whose core
+    had died was answered "'State' object has no attribute 'server'" (a 500 naming nothing)
+    instead of the engine's error. With it the HTTP server also stops once the engine core is
+    dead (the controller replaces the replica; engine/serve.py exits)."""
+    check_attach_server()
+    app.state.server = server
+
+
+def check_attach_server() -> None:
+    """attach_server's shape check (attaches nothing)."""
+    terminate = resolve(f"{LAUNCHERS}.launcher", "terminate_if_errored")
+    expect_parameters(terminate, f"{LAUNCHERS}.launcher.terminate_if_errored", ["server", "engine"])
+
+
 # -- vLLM's platform ----------------------------------------------------------------------
 
 

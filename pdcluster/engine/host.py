@@ -140,11 +140,12 @@ class EngineHost:
         sock.setblocking(False)
         self._sock = sock
         port = sock.getsockname()[1]
-        app = await self._build_app(port)
+        app, vllm_app = await self._build_app(port)
         import uvicorn
 
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30, lifespan="on")
         self._server = uvicorn.Server(config)
+        compat.attach_server(vllm_app, self._server)  # a dead engine's answer, then the server stops
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self.url = f"http://{self.spec.http_advertise_host or self.spec.http_host}:{port}"
         self.started_at = time.time()
@@ -180,8 +181,9 @@ class EngineHost:
         return abort
 
     async def _build_app(self, port: int):
+        """(what the server serves, vLLM's FastAPI app inside it)."""
         args = frontend_args(self.spec, self.spec.http_host, port)
-        app = await compat.build_openai_app(self.engine, args)
+        app = vllm_app = await compat.build_openai_app(self.engine, args)
 
         async def pdcluster_info() -> dict[str, Any]:
             return self.info()
@@ -198,7 +200,13 @@ class EngineHost:
             app.add_api_route(EVENTS_PATH, kv_events, methods=["GET"])
         if self._failures is not None:
             app = KVErrorAnswers(app, self._failures, self.spec.engine_id)
-        return RequireEngineKey(app, self._http_token)
+        return RequireEngineKey(app, self._http_token), vllm_app
+
+    async def serving(self) -> None:
+        """Return when the HTTP server has stopped: `stop()`, or vLLM's app stopped it because
+        the engine died (compat.attach_server)."""
+        if self._serve_task is not None:
+            await asyncio.shield(self._serve_task)
 
     def _note_async_scheduling(self, vllm_config) -> None:
         wanted = self.spec.async_scheduling

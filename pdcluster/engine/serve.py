@@ -3,7 +3,7 @@
 Used by the KV connector tests (prefill and decode engines in separate processes) and by anyone
 who wants a single engine of a given role. Prints one JSON line on stdout when ready:
     {"event": "ready", "url": "http://127.0.0.1:PORT", "engine_id": ...}
-and serves until SIGINT/SIGTERM. Logs go to stderr.
+and serves until SIGINT/SIGTERM (exit 0), or until its engine dies (exit 1). Logs go to stderr.
 
 Usage: python -m pdcluster.engine.serve --spec-json '{...EngineSpec...}' --secret-file PATH
 (the cluster secret: the engine's HTTP app takes only requests carrying the key derived from it,
@@ -27,7 +27,9 @@ from pdcluster.logs import setup_logging
 logger = logging.getLogger("pdcluster.engine.serve")
 
 
-async def run(spec: EngineSpec, secret: str) -> None:
+async def run(spec: EngineSpec, secret: str) -> int:
+    """Serve until SIGINT/SIGTERM (0) or until the engine stops serving on its own: its engine
+    core died and vLLM's app stopped the HTTP server (1)."""
     from pdcluster.engine.host import EngineHost
 
     host = EngineHost(spec, secret)
@@ -39,7 +41,14 @@ async def run(spec: EngineSpec, secret: str) -> None:
         url = await host.start()
         sys.stdout.write(json.dumps({"event": "ready", "url": url, "engine_id": spec.engine_id}) + "\n")
         sys.stdout.flush()
-        await stop.wait()
+        stopped, served = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(host.serving())
+        await asyncio.wait({stopped, served}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (stopped, served):
+            task.cancel()
+        if stop.is_set():
+            return 0
+        logger.error("engine %s stopped serving: its engine died", spec.engine_id)
+        return 1
     finally:
         await host.stop()
 
@@ -59,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"pdcluster.engine.serve: --secret-file: {args.secret_file} is empty\n")
     # This process exists only to run this engine: its environment is the engine's.
     os.environ.update(spec.env())
-    asyncio.run(run(spec, secret))
-    return 0
+    return asyncio.run(run(spec, secret))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""An engine compiles what vLLM compiles on first use before it serves, not on a user's request.
+"""EngineHost around a real engine: what it does before it serves, and when its engine dies.
 
+An engine compiles what vLLM compiles on first use before it serves, not on a user's request:
 vLLM's sampler compiles (torch.compile) the ranks that logprobs report on the first request that
 asks for them; the engine core compiles inside its step, so every stream of the engine waited
 (2-3 s on an idle core; 70-80 s in this suite's busiest minute, on a shared core). EngineHost
@@ -10,6 +11,7 @@ says when Dynamo traced a function; the engine's log says when it began to serve
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from tests.support.engines import run_engine, tiny_engine
@@ -33,3 +35,21 @@ def test_a_first_logprobs_request_compiles_nothing(tmp_path):
     after = [line for line in log[serving:] if TRACED in line]
     assert not after, f"compiled while serving: {after}"
     assert any(TRACED in line for line in log[:serving]), "nothing compiled before serving: is TORCH_LOGS read?"
+
+
+def test_a_request_to_an_engine_whose_core_died_gets_its_error_and_the_engine_exits(tmp_path):
+    """vLLM's app answers a request to a dead engine core with the engine's error and stops the
+    HTTP server; the standalone engine then exits 1 (an engine of a replica is replaced by the
+    controller). Before the host attached its server to the app, that answer was a 500 saying
+    "'State' object has no attribute 'server'" and the engine served on, dead."""
+    spec = tiny_engine("dies", dtype="float32", cpu_threads_bind="1")
+    with run_engine(spec, tmp_path) as engine:
+        (core,) = [
+            p for p in psutil.Process(engine.process.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"
+        ]
+        core.kill()
+        response = complete(engine, [5, 6, 7, 8], 2)
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert "EngineCore" in error["message"] and "state" not in error["message"].lower(), error
+        assert engine.process.wait(timeout=120) == 1
