@@ -83,8 +83,9 @@ class ConnectorScheduler:
         self.renewals = RenewalCadence(settings.lease_seconds)
         # Consumer: requests admitted ahead of their prefill, until their first token is in.
         self._awaiting: dict[str, tuple[Request, AwaitParams]] = {}
-        # Producer: the params it hands out are signed (params.py); decode verifies before dialing.
-        self._params_key = derive_key(settings.secret_value(), KV_PARAMS) if is_producer else b""
+        # Producer: the params it hands out are signed (params.py); decode verifies before dialing,
+        # and before a lease's own lease_seconds may quicken its renewals (RenewalCadence.saw).
+        self._params_key = derive_key(settings.secret_value(), KV_PARAMS)
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -104,7 +105,8 @@ class ConnectorScheduler:
         if self.is_consumer and kvp.wants_remote_prefill(params):
             try:
                 lease = self._queued[request.request_id] = KVParams.from_dict(params)
-                self.renewals.saw(lease)
+                if lease.verify(self._params_key):
+                    self.renewals.saw(lease)
             except ValueError:
                 return  # update_state_after_alloc says why, once
         elif self.is_consumer and kvp.wants_lease_await(params):

@@ -324,10 +324,10 @@ class ConnectorWorker:
             )
         return lease.remote_endpoints[self.tp_rank]
 
-    def _producer_client(self, lease: KVParams) -> tuple[TransportClient, str]:
-        """The verified client of the backend this consumer uses with the lease's producer: the
-        gRPC control handshake first (it says where the producer runs and what it offers)."""
-        endpoint = self._endpoint(lease)
+    def _producer_client(self, lease: KVParams, endpoint: str) -> tuple[TransportClient, str]:
+        """The verified client of the backend this consumer uses with the lease's producer at
+        `endpoint` (`_endpoint(lease)`): the gRPC control handshake first (it says where the
+        producer runs and what it offers)."""
         if self.faults.should_dial_unreachable():
             endpoint = "127.0.0.1:1"  # injected fault: nothing listens there
         links = self._links
@@ -348,8 +348,8 @@ class ConnectorWorker:
             future = self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
             if spec.remote is not None:
                 self._waiting[spec.request_id] = (spec.remote, spec.lease_until)
-                if self._messages is not None:
-                    self._messages.cadence.saw(spec.remote)
+                if self._messages is not None and spec.remote.verify(self._params_key):
+                    self._messages.cadence.saw(spec.remote)  # only a signed lease may quicken renewals
         future.add_done_callback(lambda _: self.waker.wake())
 
     def _report_failed(self, request_id: str, error: str, cause: str) -> None:
@@ -373,13 +373,14 @@ class ConnectorWorker:
             if faults.config.pull_delay_s:
                 time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
             assert self._messages is not None
+            endpoint = self._endpoint(spec.remote)  # params no producer of this cluster signed fail first
             expiry = max(spec.lease_until, self._messages.kept_until(spec.request_id))
             if time.time() > expiry:
                 # The producer has freed (or is freeing) the blocks: dialing would only wait.
                 raise LeaseExpiredError(
                     f"KV lease of {spec.remote.remote_request_id} expired {time.time() - expiry:.1f} s ago: not pulled"
                 )
-            client, _ = self._producer_client(spec.remote)  # a layout mismatch fails here
+            client, _ = self._producer_client(spec.remote, endpoint)  # a layout mismatch fails here
             if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:
                 raise KVTransferError(
                     f"cannot map {len(spec.remote_block_ids)} producer blocks onto "

@@ -282,16 +282,35 @@ def test_queued_requests_have_their_leases_renewed_until_their_pull(consumer):
 def test_a_producer_with_shorter_leases_than_this_consumers_has_them_renewed_in_time(consumer):
     """The producer's leases last 3 s, this consumer's setting says 30: its renewals go out every
     sixth of the producer's lease (not every 5 s, when a queued lease would be over), and the pull
-    knows a renewal kept the lease 3 s, not 30."""
+    knows a renewal kept the lease 3 s, not 30. Only a lease a producer of the cluster signed may
+    quicken them: params of a client's own leave the cadence as it was."""
+    from pdcluster.keys import KV_PARAMS, derive_key
+
     scheduler, hasher = consumer
     half = scheduler.connector.connector_scheduler
-    params = {**lease(200, [5, 6]), "remote_lease_expiry": time.time() + 3, "remote_lease_seconds": 3.0}
-    scheduler.add_request(request(hasher, PROMPT[:200], params))
+
+    def short_lease(signed: bool) -> dict:
+        params = KVParams(
+            remote_engine_id="prefill-0",
+            remote_request_id=f"p-{next(_ids)}",
+            remote_endpoints=("127.0.0.1:1",),
+            remote_block_ids=(5, 6),
+            remote_num_tokens=200,
+            remote_lease_expiry=time.time() + 3,
+            remote_lease_seconds=3.0,
+        )
+        return (params.signed(derive_key("scheduler-test-secret", KV_PARAMS)) if signed else params).to_dict()
+
+    forged = short_lease(signed=False)
+    scheduler.add_request(request(hasher, PROMPT[:200], forged))
     half.renewals.last = time.time() - 1  # renewals went out a second ago
+    assert half.build_connector_meta(None).renewals == []  # still every 5 s
+    params = short_lease(signed=True)
+    scheduler.add_request(request(hasher, PROMPT[200:400], params))
     meta = half.build_connector_meta(None)
-    assert [r.remote_request_id for r in meta.renewals] == [params["remote_request_id"]]
+    assert params["remote_request_id"] in [r.remote_request_id for r in meta.renewals]
     renewed_at = time.time()
-    (pull,) = step(scheduler).pulls
+    pull = next(p for p in step(scheduler).pulls if p.remote.remote_request_id == params["remote_request_id"])
     assert renewed_at < pull.renewed_until <= renewed_at + 3
 
 

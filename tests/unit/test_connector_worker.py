@@ -176,6 +176,14 @@ def test_a_lease_known_to_have_expired_is_not_pulled(consumer):
             trap.accept()  # neither a pull nor a release was dialed
 
 
+def test_params_no_producer_signed_are_refused_as_such_even_past_their_expiry(consumer):
+    """A forged lease is refused for what it is (not signed: nothing dialed) whatever its expiry
+    says; one that also claimed an expiry in the past once failed as an expired lease."""
+    forged = KVParams(**{**lease("127.0.0.1:1", expiry_in=-5).__dict__, "signature": "00" * 32})
+    assert outcome(consumer, PullSpec("d-5", forged, (4, 5), (0, 1))) == "failed"
+    assert consumer.take_stats().data["pull_failures"] == {"untrusted_params": 1}
+
+
 def test_renewals_reach_the_producer_for_signed_leases_only(producer, consumer):
     source, address = producer
     source.lease_seconds = 600
