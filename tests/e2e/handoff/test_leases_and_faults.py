@@ -148,6 +148,9 @@ def test_a_request_admitted_ahead_whose_lease_never_comes_ends_with_the_reason_a
     assert greedy(complete(decode, token_prompt(20), 3))
 
 
+WINDOWS = 5
+
+
 @pytest.mark.parametrize("name, waits", [("decode", True), ("decode-shm", False)])
 def test_an_engine_whose_requests_only_await_their_lease_waits_instead_of_stepping(engines, name, waits):
     """While its only request waits for a lease (admitted ahead; its prefill never comes here),
@@ -162,21 +165,30 @@ def test_an_engine_whose_requests_only_await_their_lease_waits_instead_of_steppi
     spec = kvp.AwaitParams(secrets.token_hex(16), KVParams.from_dict(voucher), time.time() + 30)
     body = {"model": NAME, "prompt": token_prompt(300, offset=999), "max_tokens": 5, "stream": True}
 
-    async def steps_per_second_while_it_waits() -> float:
+    async def steps_per_second_while_it_waits() -> list[float]:
+        """Steps a second in up to WINDOWS one-second windows (a busy engine's rate shows in the
+        first window where it gets a CPU: the suite's other lane may take both cores for a while)."""
+        rates = []
         async with httpx.AsyncClient(base_url=decode.url, headers=decode.headers, timeout=30) as client:
             request = {**body, "kv_transfer_params": spec.to_dict()}
             async with client.stream("POST", "/v1/completions", json=request) as response:
                 assert response.status_code == 200
                 await asyncio.to_thread(wait_for, lambda: info(decode)["stats"]["kv_cache_usage"] > 0, 30, "held")
-                before, start = info(decode)["stats"]["steps_recorded"], time.monotonic()
-                await asyncio.sleep(window_s)
-                return (info(decode)["stats"]["steps_recorded"] - before) / (time.monotonic() - start)
+                while len(rates) < WINDOWS and (waits or not rates or rates[-1] <= 4 / IDLE_WAIT_CAP_S):
+                    before, start = info(decode)["stats"]["steps_recorded"], time.monotonic()
+                    await asyncio.sleep(window_s)
+                    rates.append((info(decode)["stats"]["steps_recorded"] - before) / (time.monotonic() - start))
+        return rates
 
-    rate = asyncio.run(steps_per_second_while_it_waits())
+    rates = asyncio.run(steps_per_second_while_it_waits())
     if waits:
-        assert rate <= 2 / IDLE_WAIT_CAP_S, f"{name} stepped {rate:.0f} times a second while its request waited"
+        assert max(rates) <= 2 / IDLE_WAIT_CAP_S, (
+            f"{name} stepped {max(rates):.0f} times a second while its request waited"
+        )
     else:
-        assert rate > 4 / IDLE_WAIT_CAP_S, f"{name} (vLLM's layout) stepped only {rate:.0f} times a second"
+        assert max(rates) > 4 / IDLE_WAIT_CAP_S, (
+            f"{name} (vLLM's layout) stepped at most {max(rates):.0f} times a second"
+        )
     wait_for(lambda: info(decode)["stats"]["kv_cache_usage"] == 0.0, 30, "blocks back")
     assert greedy(complete(decode, token_prompt(20), 3))
 
