@@ -2,12 +2,14 @@
 (keep the blocks of a request that waits here), sent in the background on a pool of their own.
 
 They never queue behind pulls: a stalled pull would otherwise hold the blocks of pulls already
-done, and let the leases of waiting requests expire. Renewals cover every request whose lease
-this consumer still has to pull: the scheduler's queued requests (their renewals come in the
-step's metadata) and the pulls waiting for a pull thread (`keep`: a burst of slow pulls would
-otherwise outlast the leases of the pulls behind them). A renewal extends a lease to its
-producer's `lease_seconds` from now (`RenewalCadence`: the producer's params say how long, which
-need not be this consumer's setting).
+done, and let the leases of waiting requests expire. Renewals cover every lease this consumer
+holds unpulled (`hold`): the requests queued in its scheduler (the step's metadata names each
+once) and the pulls waiting for a pull thread. They run on a clock of their own (a thread), not
+on the engine's steps: an engine core that takes no step for a while (a long step, a compile, a
+starved core) would otherwise let the leases of its queued requests expire. Each lease is renewed
+every sixth of its producer's `lease_seconds` (vLLM's NIXL heartbeat) counted from its filing or
+last renewal, and a renewal keeps it that long: the producer's params say how long, which need
+not be this consumer's setting.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pdcluster.errors import KVTransferError
 from pdcluster.kv_transfer.params import KVParams
@@ -25,29 +28,21 @@ from pdcluster.kv_transfer.transports.base import TransportClient
 
 logger = logging.getLogger(__name__)
 
+RENEWALS_PER_LEASE = 6  # a lease is renewed every sixth of its duration
+LATE_WARNING = 2  # renewals this many periods late say so (the process did not run)
 
-class RenewalCadence:
-    """When a consumer renews the leases it keeps, and until when a renewal keeps one.
 
-    A renewal keeps a lease for its producer's lease_seconds (its params say; the consumer's own
-    setting where they do not). Renewals go out every sixth of the shortest lease seen (vLLM's NIXL
-    heartbeat), so a producer whose leases are shorter than this consumer's are renewed in time."""
+@dataclass
+class _Held:
+    lease: KVParams
+    endpoint: str
+    seconds: float  # how long a renewal keeps it (the producer's lease_seconds)
+    due: float  # monotonic time of its next renewal
+    until: float = 0.0  # unix time the last renewal kept it to (0: never renewed)
 
-    def __init__(self, lease_seconds: float):
-        self.default = lease_seconds
-        self.shortest = lease_seconds
-        self.last = 0.0  # unix time of the last renewals
 
-    def saw(self, lease: KVParams) -> None:
-        """A lease this consumer may renew."""
-        self.shortest = min(self.shortest, lease.lease_seconds_or(self.default))
-
-    def due(self, now: float) -> bool:
-        return now - self.last >= self.shortest / 6
-
-    def kept_until(self, lease: KVParams, now: float) -> float:
-        """Until when a renewal sent at `now` keeps `lease` (unix time)."""
-        return now + lease.lease_seconds_or(self.default)
+def _key(lease: KVParams) -> tuple[str, str]:
+    return lease.remote_engine_id, lease.remote_request_id
 
 
 class LeaseMessages:
@@ -63,58 +58,106 @@ class LeaseMessages:
         self._endpoint_for = endpoint_for  # raises for params no producer of this cluster signed
         self._connection = connection
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-lease-messages")
-        self._lock = threading.Lock()
-        self._kept: dict[str, float] = {}  # request id -> unix time `keep`'s renewals hold it to
-        self.cadence = RenewalCadence(settings.lease_seconds)  # of `keep`; the worker tells it `saw`
+        self._cond = threading.Condition()
+        self._held: dict[tuple[str, str], _Held] = {}  # (producer engine, its request id) -> lease
+        self._closed = False
+        self._keeper = threading.Thread(target=self._keep, name="kv-lease-keeper", daemon=True)
+        self._keeper.start()
+
+    # -- what the worker calls ---------------------------------------------------------------
+
+    def hold(self, lease: KVParams) -> None:
+        """Renew `lease` until `drop` (its pull is done, or it is released). Only a lease a
+        producer of this cluster signed is renewed (nor is anything else dialed: its pull fails
+        with the reason)."""
+        try:
+            endpoint = self._endpoint_for(lease)
+        except KVTransferError:
+            return
+        seconds = lease.lease_seconds_or(self.settings.lease_seconds)
+        filed = lease.remote_lease_expiry - seconds  # unix, the producer's clock
+        now = time.monotonic()
+        due = max(now, now + (filed - time.time()) + seconds / RENEWALS_PER_LEASE)
+        with self._cond:
+            if self._closed or _key(lease) in self._held:
+                return
+            self._held[_key(lease)] = _Held(lease, endpoint, seconds, due)
+            self._cond.notify()
+
+    def kept_until(self, lease: KVParams) -> float:
+        """Until when this consumer's renewals kept `lease` (unix time; 0: never renewed)."""
+        with self._cond:
+            held = self._held.get(_key(lease))
+            return held.until if held is not None else 0.0
+
+    def drop(self, lease: KVParams) -> None:
+        """No more renewals for `lease`."""
+        with self._cond:
+            self._held.pop(_key(lease), None)
 
     def release_later(self, lease: KVParams, transferred: bool) -> None:
-        """The load's report to vLLM does not wait for the producer's answer. A release never
-        sent (the worker is shutting down) is ended by the lease's expiry."""
+        """No more renewals, and the producer may free the blocks. The load's report to vLLM does
+        not wait for the producer's answer. A release never sent (the worker is shutting down) is
+        ended by the lease's expiry."""
+        self.drop(lease)
         try:
             self._pool.submit(self._release, lease, transferred)
         except RuntimeError:  # the pool was shut down
             logger.debug("not releasing %s: shutting down", lease.remote_request_id)
 
-    def renew(self, leases: Iterable[KVParams]) -> None:
-        """Renew `leases`, one call per producer endpoint (only those a producer of this cluster
-        signed: the pull of any other fails with the reason)."""
-        by_endpoint: dict[str, list[str]] = {}
-        for lease in leases:
-            try:
-                endpoint = self._endpoint_for(lease)
-            except KVTransferError:
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._held.clear()
+            self._cond.notify()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the keeper thread ---------------------------------------------------------------------
+
+    def _keep(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                if not self._held:
+                    self._cond.wait()
+                    continue
+                now = time.monotonic()
+                first = min(held.due for held in self._held.values())
+                if first > now:
+                    self._cond.wait(first - now)
+                    continue
+                due = self._take_due(now)
+            for endpoint, request_ids in due.items():
+                try:
+                    self._pool.submit(self._renew, endpoint, request_ids)
+                except RuntimeError:
+                    logger.debug("not renewing %d leases: shutting down", len(request_ids))
+
+    def _take_due(self, now: float) -> dict[str, list[str]]:
+        """The leases to renew now, by endpoint (those due within half a period are renewed with
+        them, in one call), each marked renewed; those known to have ended are let go. Under the
+        lock."""
+        wall = time.time()
+        due: dict[str, list[str]] = {}
+        late = 0.0
+        for key, held in list(self._held.items()):
+            period = held.seconds / RENEWALS_PER_LEASE
+            if held.due > now + period / 2:
                 continue
-            by_endpoint.setdefault(endpoint, []).append(lease.remote_request_id)
-        for endpoint, request_ids in by_endpoint.items():
-            try:
-                self._pool.submit(self._renew, endpoint, request_ids)
-            except RuntimeError:
-                logger.debug("not renewing %d leases: shutting down", len(request_ids))
+            if max(held.lease.remote_lease_expiry, held.until) <= wall:
+                del self._held[key]  # known to have ended: not renewed (nor dialed)
+                continue
+            if now - held.due > LATE_WARNING * period:
+                late = max(late, now - held.due)
+            due.setdefault(held.endpoint, []).append(held.lease.remote_request_id)
+            held.due, held.until = now + period, wall + held.seconds
+        if late:
+            # Nothing here waits on the engine: this process (or its host) did not run for that long.
+            logger.warning("KV lease renewals ran %.1f s late: this process was not scheduled", late)
+        return due
 
-    def keep_due(self) -> bool:
-        """Whether `keep` would renew now (`RenewalCadence`, as the scheduler's renewals; the
-        caller need not gather what waits on the steps between)."""
-        return self.cadence.due(time.time())
-
-    def keep(self, waiting: dict[str, tuple[KVParams, float]]) -> None:
-        """Renew the leases of pulls waiting for a pull thread (request id -> (lease, until when
-        it is known to hold: PullSpec.lease_until)), at the scheduler's cadence (`keep_due`). A
-        lease known to have ended is not renewed (nor dialed)."""
-        now = time.time()
-        with self._lock:
-            if not waiting or not self.cadence.due(now):
-                return
-            self.cadence.last = now
-            self._kept = {rid: until for rid, until in self._kept.items() if until > now}  # kept_until pops the rest
-            live = [rid for rid, (_, until) in waiting.items() if max(until, self._kept.get(rid, 0.0)) > now]
-            for request_id in live:
-                self._kept[request_id] = self.cadence.kept_until(waiting[request_id][0], now)
-        self.renew(waiting[rid][0] for rid in live)
-
-    def kept_until(self, request_id: str) -> float:
-        """Until when `keep` renewed this request's lease (unix time; 0: never)."""
-        with self._lock:
-            return self._kept.pop(request_id, 0.0)
+    # -- the pool -----------------------------------------------------------------------------
 
     def _release(self, lease: KVParams, transferred: bool) -> None:
         """Tell the producer it may free the lease's blocks (every producer's gRPC control
@@ -140,6 +183,3 @@ class LeaseMessages:
             logger.warning(
                 "renewing %d leases on %s failed: %s: %s", len(request_ids), endpoint, type(exc).__name__, exc
             )
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

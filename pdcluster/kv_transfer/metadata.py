@@ -3,9 +3,10 @@ between prefill, router and decode are params.KVParams).
 
 Per step (scheduler -> worker, `PDConnectorMetadata`):
   new_leases  producer: finished prefills whose blocks are now held for a consumer to pull
+  queued      consumer: leases of requests that arrived here; the worker renews each on its own
+              clock (lease_messages.py) until its pull ends or it is released
   pulls       consumer: requests whose blocks were just allocated and must be pulled
   releases    consumer: producer leases to drop without pulling (local cache hit, aborted request)
-  renewals    consumer: leases of requests still queued here, to keep (every lease_seconds / 6)
   abandoned   consumer: requests admitted ahead of their prefill that ended before their lease
               came (the worker stops looking for it and reports the load as done)
 
@@ -44,17 +45,9 @@ class PullSpec:
     remote: KVParams | None  # None while awaiting: the lease is found by `awaiting.key` first
     remote_block_ids: tuple[int, ...]  # the producer blocks to read, in token order
     local_block_ids: tuple[int, ...]  # where they go, same order
-    renewed_until: float = 0.0  # unix time the consumer's renewals kept the lease to (0: none)
     awaiting: AwaitParams | None = None  # admitted ahead of its prefill (params.AwaitParams)
     remote_offset: int = 0  # awaiting: the lease's first block to read (after the local hit)
     num_tokens: int = 0  # awaiting: the prompt tokens the lease must cover
-
-    @property
-    def lease_until(self) -> float:
-        """Until when the lease is known to hold (unix time): its expiry as signed, or as the
-        scheduler's renewals extended it."""
-        assert self.remote is not None
-        return max(self.remote.remote_lease_expiry, self.renewed_until)
 
 
 @dataclass(frozen=True)
@@ -66,9 +59,9 @@ class ReleaseSpec:
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
     new_leases: list[LeaseSpec] = field(default_factory=list)
+    queued: list[KVParams] = field(default_factory=list)
     pulls: list[PullSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
-    renewals: list[KVParams] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
 
 

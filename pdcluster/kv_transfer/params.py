@@ -129,8 +129,7 @@ class KVParams:
         if out.remote_num_tokens < 0 or any(b < 0 for b in out.remote_block_ids):
             raise ValueError("kv_transfer_params malformed: negative token count or block id")
         if out.remote_lease_seconds and not MIN_LEASE_S <= out.remote_lease_seconds <= DAY:
-            # bounded as the producer's setting is: unverified params must not make the consumer's
-            # renewals (every sixth of the shortest lease it saw) run every step
+            # bounded as the producer's setting is (a consumer renews every sixth of it)
             raise ValueError(
                 f"kv_transfer_params malformed: remote_lease_seconds must be 0 (not said) or "
                 f"{MIN_LEASE_S:g} to {DAY:g}, got {out.remote_lease_seconds!r}"

@@ -6,6 +6,8 @@ Producer (prefill engine), per request asking for a remote decode (params.ASK_PR
                       the request's `KVParams`: engine id, endpoints, block ids, token count, expiry
                       (filed under the router's key too, with the first token, when it gave one)
 Consumer (decode engine), per request carrying a producer's `KVParams`:
+  on_new_request               hands its lease to the worker half, which renews it while the
+                               request queues here (lease_messages.py), until its pull or release
   get_num_new_matched_tokens   the prefilled tokens beyond the local prefix-cache hit, loadable
                                asynchronously (no side effects: vLLM may ask again)
   update_state_after_alloc     plans the pull: the producer's blocks after the local hit -> the
@@ -17,7 +19,7 @@ whole prompt is claimed as an asynchronous load at once, so its blocks are alloc
 prefill still runs; the worker finds the lease by key, reports the prefill's first token
 (`update_connector_output`, which makes it the last prompt token) and pulls. The request is
 never computed before that token is in: the worker reports its load only after it (metadata.py).
-`build_connector_meta` hands the step's leases, pulls and releases to the worker half.
+`build_connector_meta` hands the step's leases, queued leases, pulls and releases to the worker half.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from pdcluster import compat
 from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import colocated
 from pdcluster.kv_transfer import params as kvp
-from pdcluster.kv_transfer.lease_messages import RenewalCadence
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
     PDConnectorMetadata,
@@ -76,15 +77,9 @@ class ConnectorScheduler:
         self.prefill_backoff = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
         self.endpoints: list[str | None] = [None] * self.tp_size
         self._meta = PDConnectorMetadata()
-        # Consumer: leases of requests queued here (not yet pulled), renewed every sixth of a
-        # lease so a long queue does not expire them (vLLM's NIXL heartbeat; RenewalCadence).
-        self._queued: dict[str, KVParams] = {}
-        self._renewed_until: dict[str, float] = {}
-        self.renewals = RenewalCadence(settings.lease_seconds)
         # Consumer: requests admitted ahead of their prefill, until their first token is in.
         self._awaiting: dict[str, tuple[Request, AwaitParams]] = {}
-        # Producer: the params it hands out are signed (params.py); decode verifies before dialing,
-        # and before a lease's own lease_seconds may quicken its renewals (RenewalCadence.saw).
+        # Producer: the params it hands out are signed (params.py); decode verifies before dialing.
         self._params_key = derive_key(settings.secret_value(), KV_PARAMS)
 
     # -- startup ---------------------------------------------------------------------------
@@ -104,9 +99,8 @@ class ConnectorScheduler:
             self._truncate_for_prefill(request, params)
         if self.is_consumer and kvp.wants_remote_prefill(params):
             try:
-                lease = self._queued[request.request_id] = KVParams.from_dict(params)
-                if lease.verify(self._params_key):
-                    self.renewals.saw(lease)
+                # kept (renewed) by the worker half until this request's pull ends or it is released
+                self._meta.queued.append(KVParams.from_dict(params))
             except ValueError:
                 return  # update_state_after_alloc says why, once
         elif self.is_consumer and kvp.wants_lease_await(params):
@@ -114,11 +108,6 @@ class ConnectorScheduler:
                 self._awaiting[request.request_id] = (request, AwaitParams.from_dict(params))
             except ValueError as exc:
                 logger.warning("request %s: %s; computing its prompt locally", request.request_id, exc)
-
-    def _dequeue(self, request_id: str) -> float:
-        """The request's lease needs no more renewals; until when the renewals kept it."""
-        self._queued.pop(request_id, None)
-        return self._renewed_until.pop(request_id, 0.0)
 
     def _truncate_for_prefill(self, request: Request, params: dict[str, Any]) -> None:
         backoff = self.prefill_backoff
@@ -135,12 +124,6 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
         meta, self._meta = self._meta, PDConnectorMetadata()
-        now = time.time()
-        if self._queued and self.renewals.due(now):
-            self.renewals.last = now
-            meta.renewals = list(self._queued.values())
-            for request_id, lease in self._queued.items():
-                self._renewed_until[request_id] = self.renewals.kept_until(lease, now)
         return meta
 
     # -- consumer --------------------------------------------------------------------------
@@ -182,10 +165,8 @@ class ConnectorScheduler:
                 except ValueError as exc:
                     logger.warning("request %s: %s; computing its prompt locally", request.request_id, exc)
                 params[kvp.PULL_PLANNED] = True
-                self._dequeue(request.request_id)
             return
         params[kvp.PULL_PLANNED] = True
-        renewed_until = self._dequeue(request.request_id)
         if num_external_tokens <= 0:
             # Everything was in the local prefix cache: P's blocks are not needed.
             self._meta.releases.append(ReleaseSpec(lease, "local prefix cache hit"))
@@ -202,7 +183,7 @@ class ConnectorScheduler:
                 len(remote),
                 len(local),
             )
-        self._meta.pulls.append(PullSpec(request.request_id, lease, tuple(remote), tuple(local), renewed_until))
+        self._meta.pulls.append(PullSpec(request.request_id, lease, tuple(remote), tuple(local)))
 
     def _plan_awaited_pull(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int, spec: AwaitParams
@@ -247,7 +228,6 @@ class ConnectorScheduler:
         if not params:
             return False, None
         if self.is_consumer:
-            self._dequeue(request.request_id)
             if self._awaiting.pop(request.request_id, None) is not None and params.get(kvp.PULL_PLANNED):
                 self._meta.abandoned.append(request.request_id)  # the worker stops looking
         if self.is_consumer and kvp.wants_remote_prefill(params) and not params.get(kvp.PULL_PLANNED):

@@ -10,7 +10,8 @@ with the producer's endpoint (once; it says where the producer runs and what it 
 backend picked from that (transports/selection.py, its own handshake once per endpoint), the
 blocks moved into the local cache through the staging scatterer, then the producer's lease
 released in the background (vLLM need not wait for that answer; lease_messages.py, which also
-renews the leases of pulls still waiting for a pull thread). Completed pulls are reported as
+renews, on a clock of its own, the leases of requests queued in the scheduler and of pulls still
+waiting for a pull thread). Completed pulls are reported as
 `finished_recving` after the compute stream was made to wait on their copy event; failed ones
 also as `failed_recving`, and vLLM recomputes or fails the request per `kv_load_failure_policy`.
 Every pull has a deadline. Requests admitted ahead of their prefill find their lease first (ahead.py).
@@ -100,8 +101,6 @@ class ConnectorWorker:
         self._last_step_event = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[PullResult]] = {}
-        # pulls not started yet (no pull thread free): their leases, known to hold until when
-        self._waiting: dict[str, tuple[KVParams, float]] = {}
         self._messages: LeaseMessages | None = None  # releases and renewals
         self._links: ProducerLinks | None = None  # consumer: clients of producers
         self._transports_lock = threading.Lock()
@@ -229,6 +228,8 @@ class ConnectorWorker:
         if meta.new_leases:
             self.file_leases(meta.new_leases)
         if self.is_consumer and self._ahead is not None and self._messages is not None:
+            for lease in meta.queued:  # before this step's pulls and releases, which may end them
+                self._messages.hold(lease)
             for pull in meta.pulls:
                 if pull.awaiting is not None:
                     self._ahead.add(pull)
@@ -239,12 +240,6 @@ class ConnectorWorker:
             for release in meta.releases:
                 logger.debug("releasing %s unpulled: %s", release.remote.remote_request_id, release.reason)
                 self._messages.release_later(release.remote, False)
-            if meta.renewals:
-                self._messages.renew(meta.renewals)
-            if self._waiting and self._messages.keep_due():
-                with self._pending_lock:
-                    waiting = dict(self._waiting)
-                self._messages.keep(waiting)
 
     def after_forward(self) -> None:
         """End of a step (target and draft forwards): remember what the producer must wait on."""
@@ -345,11 +340,9 @@ class ConnectorWorker:
             if spec.request_id in self._pending:
                 logger.error("duplicate pull for %s ignored", spec.request_id)
                 return
+            if spec.remote is not None and self._messages is not None:
+                self._messages.hold(spec.remote)  # renewed while it waits for a pull thread
             future = self._pending[spec.request_id] = self._executor.submit(self._pull, spec)
-            if spec.remote is not None:
-                self._waiting[spec.request_id] = (spec.remote, spec.lease_until)
-                if self._messages is not None and spec.remote.verify(self._params_key):
-                    self._messages.cadence.saw(spec.remote)  # only a signed lease may quicken renewals
         future.add_done_callback(lambda _: self.waker.wake())
 
     def _report_failed(self, request_id: str, error: str, cause: str) -> None:
@@ -362,8 +355,13 @@ class ConnectorWorker:
 
     def _pull(self, spec: PullSpec) -> PullResult:
         started, clock = time.perf_counter(), ThreadClock()
-        with self._pending_lock:
-            self._waiting.pop(spec.request_id, None)  # no longer kept by LeaseMessages.keep
+        assert self._messages is not None
+        try:
+            return self._pull_held(spec, started, clock)
+        finally:
+            self._messages.drop(spec.remote)  # pulled, released or failed: no more renewals
+
+    def _pull_held(self, spec: PullSpec, started: float, clock: ThreadClock) -> PullResult:
         # expiry = filing + the producer's lease_seconds; across hosts this adds their clock offset
         filed = spec.remote.remote_lease_expiry - spec.remote.lease_seconds_or(self.settings.lease_seconds)
         lease_wait = max(0.0, time.time() - filed)
@@ -374,7 +372,7 @@ class ConnectorWorker:
                 time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
             assert self._messages is not None
             endpoint = self._endpoint(spec.remote)  # params no producer of this cluster signed fail first
-            expiry = max(spec.lease_until, self._messages.kept_until(spec.request_id))
+            expiry = max(spec.remote.remote_lease_expiry, self._messages.kept_until(spec.remote))
             if time.time() > expiry:
                 # The producer has freed (or is freeing) the blocks: dialing would only wait.
                 raise LeaseExpiredError(

@@ -260,58 +260,19 @@ def test_a_producer_whose_worker_shares_the_process_files_its_lease_at_once(tmp_
     assert len(connector.build_connector_meta(None).new_leases) == 1
 
 
-def test_queued_requests_have_their_leases_renewed_until_their_pull(consumer):
-    """While a request waits in decode's queue its producer lease is renewed every
-    lease_seconds / 6 (vLLM's NIXL heartbeat); once its pull is planned, it is not, and the
-    pull knows how long the renewals kept the lease."""
+def test_a_queued_requests_lease_goes_to_the_worker_once_and_its_pull_later(consumer):
+    """The worker half renews the lease of a request queued here on its own clock (not on the
+    engine's steps): the scheduler hands it over once, in the step after the request arrived, and
+    plans its pull when vLLM allocates its blocks."""
     scheduler, hasher = consumer
     half = scheduler.connector.connector_scheduler
     params = lease(200, [5, 6])
-    req = request(hasher, PROMPT[:200], params)
-    scheduler.add_request(req)
-    half.renewals.last = 0.0  # the last renewals were long ago
+    scheduler.add_request(request(hasher, PROMPT[:200], params))
     meta = half.build_connector_meta(None)  # a step in which it stays queued
-    assert [r.remote_request_id for r in meta.renewals] == [params["remote_request_id"]]
-    assert half.build_connector_meta(None).renewals == []  # at most every lease_seconds / 6
+    assert [q.remote_request_id for q in meta.queued] == [params["remote_request_id"]]
+    assert half.build_connector_meta(None).queued == []  # once
     (pull,) = step(scheduler).pulls
-    assert pull.renewed_until > params["remote_lease_expiry"] - 1
-    half.renewals.last = 0.0
-    assert half.build_connector_meta(None).renewals == []  # pulled: nothing left to renew
-
-
-def test_a_producer_with_shorter_leases_than_this_consumers_has_them_renewed_in_time(consumer):
-    """The producer's leases last 3 s, this consumer's setting says 30: its renewals go out every
-    sixth of the producer's lease (not every 5 s, when a queued lease would be over), and the pull
-    knows a renewal kept the lease 3 s, not 30. Only a lease a producer of the cluster signed may
-    quicken them: params of a client's own leave the cadence as it was."""
-    from pdcluster.keys import KV_PARAMS, derive_key
-
-    scheduler, hasher = consumer
-    half = scheduler.connector.connector_scheduler
-
-    def short_lease(signed: bool) -> dict:
-        params = KVParams(
-            remote_engine_id="prefill-0",
-            remote_request_id=f"p-{next(_ids)}",
-            remote_endpoints=("127.0.0.1:1",),
-            remote_block_ids=(5, 6),
-            remote_num_tokens=200,
-            remote_lease_expiry=time.time() + 3,
-            remote_lease_seconds=3.0,
-        )
-        return (params.signed(derive_key("scheduler-test-secret", KV_PARAMS)) if signed else params).to_dict()
-
-    forged = short_lease(signed=False)
-    scheduler.add_request(request(hasher, PROMPT[:200], forged))
-    half.renewals.last = time.time() - 1  # renewals went out a second ago
-    assert half.build_connector_meta(None).renewals == []  # still every 5 s
-    params = short_lease(signed=True)
-    scheduler.add_request(request(hasher, PROMPT[200:400], params))
-    meta = half.build_connector_meta(None)
-    assert params["remote_request_id"] in [r.remote_request_id for r in meta.renewals]
-    renewed_at = time.time()
-    pull = next(p for p in step(scheduler).pulls if p.remote.remote_request_id == params["remote_request_id"])
-    assert renewed_at < pull.renewed_until <= renewed_at + 3
+    assert pull.remote.remote_request_id == params["remote_request_id"]
 
 
 def test_an_engine_waits_idle_only_while_every_request_waits_on_its_connector_here(consumer_config, tmp_path):

@@ -184,18 +184,44 @@ def test_params_no_producer_signed_are_refused_as_such_even_past_their_expiry(co
     assert consumer.take_stats().data["pull_failures"] == {"untrusted_params": 1}
 
 
-def test_renewals_reach_the_producer_for_signed_leases_only(producer, consumer):
+def test_queued_leases_are_renewed_without_engine_steps_until_released(producer, consumer):
+    """The scheduler names a queued request's lease once; the worker renews it on its own clock
+    every sixth of the producer's lease (2 s here, this consumer's setting 30 s) while the engine
+    takes no step, for three leases' time (before, renewals went out only at the engine's steps:
+    an engine core that stalled past a lease let its queued leases expire). A lease no producer of
+    the cluster signed is never renewed; a released one no longer is."""
     source, address = producer
-    source.lease_seconds = 600
-    source.leases.add("req-1", [4, 5], time.monotonic() + 1)
-    forged = KVParams(**{**lease(address).__dict__, "remote_request_id": "req-2", "signature": "00" * 32})
-    source.leases.add("req-2", [6], time.monotonic() + 1)
-    consumer.bind(PDConnectorMetadata(renewals=[lease(address), forged]))
-    deadline = time.monotonic() + 30
-    while source.leases._leases["req-1"].deadline < time.monotonic() + 100:
-        assert time.monotonic() < deadline, "the renewal never arrived"
-        time.sleep(0.01)  # poll interval
-    assert source.leases._leases["req-2"].deadline < time.monotonic() + 100  # forged: not renewed
+    source.lease_seconds = 2  # what a renewal extends a lease to
+    source.leases.add("req-1", [4, 5], time.monotonic() + 2)
+    queued = lease(address, expiry_in=2, lease_seconds=2)
+    forged = KVParams(**{**lease(address, expiry_in=2).__dict__, "remote_request_id": "req-2", "signature": "00" * 32})
+    forged_deadline = time.monotonic() + 600
+    source.leases.add("req-2", [6], forged_deadline)
+    consumer.bind(PDConnectorMetadata(queued=[queued, forged]))  # one step, then none
+    end = time.monotonic() + 6
+    while time.monotonic() < end:
+        assert not source.leases.collect_finished(), "a queued lease expired between engine steps"
+        time.sleep(0.1)  # poll interval
+    assert source.leases._leases["req-2"].deadline == forged_deadline  # forged: not renewed
+    assert consumer._messages.kept_until(queued) > time.time()
+    consumer.bind(PDConnectorMetadata(releases=[ReleaseSpec(queued, "request FINISHED_ABORTED")]))
+    assert released(source) == ["req-1"]
+    assert consumer._messages.kept_until(queued) == 0.0  # no longer renewed
+
+
+def test_renewals_that_run_late_say_so(producer, consumer, caplog):
+    """Renewals wait on nothing but their own thread: when they run a couple of periods late, this
+    process did not run, and the log says so (what an expired lease would otherwise leave unsaid)."""
+    source, address = producer
+    source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+    with caplog.at_level("WARNING", logger="pdcluster.kv_transfer.lease_messages"):
+        consumer.bind(PDConnectorMetadata(queued=[lease(address, expiry_in=1.2, lease_seconds=1.2)]))
+        with consumer._messages._cond:  # the keeper cannot run: 0.2 s periods, 1 s without
+            time.sleep(1)
+        deadline = time.monotonic() + 30
+        while not any("late" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "no warning"
+            time.sleep(0.01)  # poll interval
 
 
 def test_a_release_after_shutdown_is_left_to_the_lease_expiry(producer, consumer):
@@ -220,14 +246,12 @@ def test_releases_and_renewals_do_not_queue_behind_a_stalled_pull():
         source.leases.add("req-2", [6], time.monotonic() + 1)  # queued on decode: to be renewed
         source.leases.add("req-3", [7], time.monotonic() + 600)  # hit decode's cache: released
         stalled = PullSpec("d-1", lease(address), (4, 5), (0, 1))  # req-1: filed only below
-        renewal = KVParams(**{**lease(address).__dict__, "remote_request_id": "req-2"}).signed(
-            derive_key(SECRET, KV_PARAMS)
-        )
+        renewal = lease(address, (6,), 3, "req-2", 3)  # renewed every half second
         unpulled = KVParams(**{**lease(address).__dict__, "remote_request_id": "req-3"}).signed(
             derive_key(SECRET, KV_PARAMS)
         )
         worker.bind(PDConnectorMetadata(pulls=[stalled]))
-        worker.bind(PDConnectorMetadata(renewals=[renewal], releases=[ReleaseSpec(unpulled, "local cache hit")]))
+        worker.bind(PDConnectorMetadata(queued=[renewal], releases=[ReleaseSpec(unpulled, "local cache hit")]))
         deadline = time.monotonic() + 20  # well inside the stalled pull's 60 s wait
         while source.leases._leases["req-2"].deadline < time.monotonic() + 100:
             assert time.monotonic() < deadline, "the renewal waited behind the stalled pull"
@@ -246,10 +270,11 @@ def test_releases_and_renewals_do_not_queue_behind_a_stalled_pull():
 )
 def test_a_pull_waiting_for_a_pull_thread_keeps_its_lease(consumer_lease_s, producer_lease_s):
     """The only pull thread waits on the producer (its lease is not filed yet) past the lease of
-    the pull queued behind it: the consumer renews that lease while it waits, and its pull then
-    lands (it expired before: a failed load, the prefill recomputed). Also where the producer's
-    leases are shorter than the consumer's setting (renewed every sixth of the producer's; before
-    its params said how long, every 5 s, after the lease was over)."""
+    the pull queued behind it: the consumer renews that lease while it waits (the engine takes no
+    step meanwhile), and its pull then lands (it expired before: a failed load, the prefill
+    recomputed). Also where the producer's leases are shorter than the consumer's setting (renewed
+    every sixth of the producer's; before its params said how long, every 5 s, after the lease
+    was over)."""
     settings = SETTINGS.model_copy(
         update={"pull_threads": 1, "pull_timeout_seconds": 60, "lease_seconds": consumer_lease_s}
     )
@@ -268,9 +293,8 @@ def test_a_pull_waiting_for_a_pull_thread_keeps_its_lease(consumer_lease_s, prod
         worker.bind(PDConnectorMetadata(pulls=[first, second]))
         deadline = time.monotonic() + 4 * unrenewed
         while time.monotonic() < deadline:
-            worker.bind(PDConnectorMetadata())  # the engine's steps, while d-2 waits
             assert not source.leases.collect_finished(), "req-2's lease expired while its pull waited"
-            time.sleep(0.1)  # step interval
+            time.sleep(0.1)  # poll interval
         source.leases.add("req-1", [4, 5], time.monotonic() + 600)
         assert finished(worker, first, second) == {"d-1": "ok", "d-2": "ok"}
     finally:
