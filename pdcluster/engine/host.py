@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from pdcluster import compat
+from pdcluster.engine.dead_engine import INFO_PATH, RefuseWhileEngineDead
 from pdcluster.engine.dtype import NATIVE, resolve_dtype
 from pdcluster.engine.http_auth import RequireEngineKey
 from pdcluster.engine.kv_errors import KVErrorAnswers
@@ -188,7 +189,7 @@ class EngineHost:
         async def pdcluster_info() -> dict[str, Any]:
             return self.info()
 
-        app.add_api_route("/pdcluster/info", pdcluster_info, methods=["GET"])
+        app.add_api_route(INFO_PATH, pdcluster_info, methods=["GET"])
         if self.events is not None:
             from fastapi.responses import StreamingResponse
 
@@ -200,11 +201,19 @@ class EngineHost:
             app.add_api_route(EVENTS_PATH, kv_events, methods=["GET"])
         if self._failures is not None:
             app = KVErrorAnswers(app, self._failures, self.spec.engine_id)
+        app = RefuseWhileEngineDead(app, self.spec.engine_id, self._engine_dead, self._stop_serving)
         return RequireEngineKey(app, self._http_token), vllm_app
 
+    def _engine_dead(self) -> bool:
+        return self.engine is not None and self.engine.errored
+
+    def _stop_serving(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
     async def serving(self) -> None:
-        """Return when the HTTP server has stopped: `stop()`, or vLLM's app stopped it because
-        the engine died (compat.attach_server)."""
+        """Return when the HTTP server has stopped: `stop()`, or because the engine died (the first
+        request after that stops it: dead_engine.py, or vLLM's app, compat.attach_server)."""
         if self._serve_task is not None:
             await asyncio.shield(self._serve_task)
 
@@ -275,7 +284,7 @@ class EngineHost:
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
+            self._stop_serving()
             if self._serve_task is not None:
                 try:
                     async with asyncio.timeout(10):

@@ -15,17 +15,27 @@ import json
 from typing import Any
 
 
+def error_body(message: str, kind: str, code: int) -> bytes:
+    """An OpenAI-style error answer."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
 def unauthorized_body() -> bytes:
-    return json.dumps(
+    return error_body(
+        "engine ports take only the cluster's requests: missing or wrong engine key", "authentication_error", 401
+    )
+
+
+async def send_error(send, code: int, body: bytes, *headers: tuple[bytes, bytes]) -> None:
+    """Answer an ASGI HTTP request with `body` (error_body) and status `code`."""
+    await send(
         {
-            "error": {
-                "message": "engine ports take only the cluster's requests: missing or wrong engine key",
-                "type": "authentication_error",
-                "param": None,
-                "code": 401,
-            }
+            "type": "http.response.start",
+            "status": code,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
         }
-    ).encode()
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 class RequireEngineKey:
@@ -49,16 +59,4 @@ class RequireEngineKey:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = unauthorized_body()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 401, unauthorized_body(), (b"www-authenticate", b"Bearer"))

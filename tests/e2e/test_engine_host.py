@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.support.engines import run_engine, tiny_engine
-from tests.support.handoff import complete, info
+from tests.support.handoff import complete, info, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -37,19 +37,22 @@ def test_a_first_logprobs_request_compiles_nothing(tmp_path):
     assert any(TRACED in line for line in log[:serving]), "nothing compiled before serving: is TORCH_LOGS read?"
 
 
-def test_a_request_to_an_engine_whose_core_died_gets_its_error_and_the_engine_exits(tmp_path):
-    """vLLM's app answers a request to a dead engine core with the engine's error and stops the
-    HTTP server; the standalone engine then exits 1 (an engine of a replica is replaced by the
-    controller). Before the host attached its server to the app, that answer was a 500 saying
-    "'State' object has no attribute 'server'" and the engine served on, dead."""
+def test_a_request_to_an_engine_whose_core_died_is_refused_unstarted_and_the_engine_exits(tmp_path):
+    """Once the host knows its engine core died (its info says unhealthy), a request is answered
+    503 before vLLM sees it, saying so (nothing of it started: the router sends it to another
+    replica), and the HTTP server stops: the standalone engine exits 1. Before, vLLM's app took
+    the request and answered 500 ("EngineCore encountered an issue"), which the router relayed to
+    the client as the request's answer (and before 45dbc20, a 500 saying "'State' object has no
+    attribute 'server'" while the engine served on, dead)."""
     spec = tiny_engine("dies", dtype="float32", cpu_threads_bind="1")
     with run_engine(spec, tmp_path) as engine:
         (core,) = [
             p for p in psutil.Process(engine.process.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"
         ]
         core.kill()
+        wait_for(lambda: info(engine)["healthy"] is False, 60, "the host to see its engine dead")
         response = complete(engine, [5, 6, 7, 8], 2)
-        assert response.status_code == 500, response.text
+        assert response.status_code == 503, response.text
         error = response.json()["error"]
-        assert "EngineCore" in error["message"] and "state" not in error["message"].lower(), error
+        assert error["type"] == "engine_dead" and "nothing of this request was started" in error["message"], error
         assert engine.process.wait(timeout=120) == 1

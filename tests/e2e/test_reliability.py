@@ -225,6 +225,39 @@ def test_killed_decode_streams_continue_on_the_survivor_and_it_is_replaced(clust
     )
 
 
+def test_a_replica_whose_engine_core_alone_dies_is_replaced(cluster, client, kill):
+    """Only vLLM's engine core of a replica dies (SIGKILL of VLLM::EngineCore; its actor lives on):
+    the actor reports the engine unhealthy, the controller retires the replica as dead, kills its
+    actor and starts another, and the cluster serves throughout (the dead engine's HTTP server
+    stops: a request sent its way is retried on the other prefill)."""
+    status = cluster.wait_status(lambda s: len(ready(s, "prefill")) == 2, 300, "two prefill replicas")
+    victim = ready(status, "prefill")[0]
+    victim_url = next(r["url"] for r in status["replicas"] if r["replica"] == victim)
+    actor = psutil.Process(kill.pid_of(victim))
+    (core,) = [p for p in actor.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    core.kill()
+    # Requests from the moment the host knows, or its replica is gone (a request vLLM took in the
+    # instant before is in flight on the dead engine: its error is its answer).
+    deadline = time.monotonic() + 60
+    with httpx.Client(timeout=30, headers=ENGINE_HEADERS) as http:
+        try:
+            while http.get(victim_url + "/pdcluster/info").json()["healthy"]:
+                assert time.monotonic() < deadline, "the host never saw its engine die"
+                time.sleep(0.05)  # poll interval
+        except httpx.TransportError:
+            pass  # the controller already ended the replica
+    assert all(stream_text(client, p, 8) for p in heldout_prompts()[14:18])
+    status = cluster.wait_status(
+        lambda s: len(ready(s, "prefill")) == 2 and victim not in ready(s, "prefill"),
+        300,
+        "a replacement prefill replica",
+    )
+    dead = [r for r in status["retired"] if r["replica"] == victim]
+    assert dead and dead[0]["transitions"][-1][1] == "dead"
+    actor.wait(timeout=60)  # its actor was ended too (raises while it still runs)
+    assert stream_text(client, heldout_prompts()[18], 8)
+
+
 def test_client_disconnect_aborts_the_decode_request(cluster):
     body = {
         "model": NAME,

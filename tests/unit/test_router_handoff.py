@@ -117,6 +117,27 @@ def test_a_prefill_that_hangs_up_is_replaced_by_another_prefill(serve):
     assert metric(router, 'pdcluster_retries_total{role="prefill"}') == 1
 
 
+async def refuse(call, out):
+    """An engine host whose engine died (engine/dead_engine.py): 503, nothing started."""
+    await out.json({"error": {"message": "the engine of x died", "type": "engine_dead", "code": 503}}, 503)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_replica_that_answers_503_started_nothing_and_the_request_goes_to_another(serve, role):
+    """A 503 (an engine host whose engine died) is retried as a replica never reached: a prefill's
+    request on another prefill, a decode's on another decode with the same lease (no second
+    prefill). Before, the 503 was the client's answer."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
+    dead, prefill, decode = StandIn(refuse), StandIn(prefill_answer()), StandIn(decode_answer)
+    stand_ins = {f"{role}-gone": dead, "prefill-0": prefill, "decode-live": decode}  # the dead one tried first
+    response, lines = serve(router, stand_ins, {**COMPLETION, "stream": True}, [])
+    assert response.status_code == 200, lines
+    assert "".join(c["text"] for e in data(lines) for c in e["choices"]) == " t0 t1 t2"
+    assert (len(dead.posts()), len(prefill.posts()), len(decode.posts())) == (1, 1, 1)
+    assert lease_of(decode.posts()[0].body) == 1
+    assert metric(router, f'pdcluster_retries_total{{role="{role}"}}') == 1
+
+
 def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an_error(serve):
     """The client already has the prefill's token: with migration off, a decode replica reached
     that then fails before answering ends the stream with an error event, and nothing is

@@ -41,6 +41,13 @@ class ReachedThenFailed(PhaseFailed):
     what = "failed before answering"
 
 
+class Refused(PhaseFailed):
+    """The replica answered 503: it started nothing of the request (an engine host whose engine
+    died, engine/dead_engine.py; vLLM while it scales), so it is retried as one never reached."""
+
+    what = "refused the request"
+
+
 async def post(
     http: httpx.AsyncClient,
     replica: ReplicaLoad,
@@ -50,15 +57,25 @@ async def post(
     request_id: str,
 ) -> httpx.Response:
     """POST to one replica: its response (for `stream`, once the headers are in). Connection
-    failures raise NeverReached or ReachedThenFailed; timeouts and other HTTP errors pass."""
+    failures raise NeverReached or ReachedThenFailed, a 503 answer Refused; timeouts and other
+    HTTP errors pass."""
     headers = {"X-Request-Id": request_id}
     try:
         if stream:
             request = http.build_request("POST", replica.url + path, json=body, headers=headers)
-            return await http.send(request, stream=True)
-        return await http.post(replica.url + path, json=body, headers=headers)
+            response = await http.send(request, stream=True)
+        else:
+            response = await http.post(replica.url + path, json=body, headers=headers)
+        if response.status_code != 503:
+            return response
+        await response.aread()
+        await response.aclose()
+        message = f"503: {response.text[:300]}"
+        failure: PhaseFailed = Refused(
+            replica, httpx.HTTPStatusError(message, request=response.request, response=response)
+        )
     except NEVER_REACHED_ERRORS as exc:
-        failure: PhaseFailed = NeverReached(replica, exc)
+        failure = NeverReached(replica, exc)
     except REACHED_THEN_FAILED_ERRORS as exc:
         failure = ReachedThenFailed(replica, exc)
     logger.warning("%s", failure)
