@@ -27,6 +27,7 @@ FOREGROUND_STOP_TIMEOUT_S = 300  # a foreground `up` stops its engines gracefull
 
 # The command's own output stream once Ray is connected (ray_connect); None before.
 _command_stdout = None
+_joined_ray = False  # this process joined Ray as a driver (run() ends it without teardown)
 
 
 def out(text: str = "") -> None:
@@ -41,11 +42,12 @@ def ray_connect(address: str, namespace: str) -> None:
     worker killed) to sys.stdout from a thread of its own, whatever log_to_driver says
     (ray/_private/worker.py listen_error_messages): from here on sys.stdout is stderr, so those
     lines reach the operator there and stdout carries only out()'s, e.g. `status --json`."""
-    global _command_stdout
+    global _command_stdout, _joined_ray
     import ray
 
     if _command_stdout is None:
         _command_stdout, sys.stdout = sys.stdout, sys.stderr
+    _joined_ray = True
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING)
 
 
@@ -486,5 +488,19 @@ def main(argv: list[str] | None = None) -> int:
         _ray_disconnect()
 
 
+def run() -> None:
+    """The `pdcluster` command. After a command that joined Ray the process ends without the
+    interpreter's teardown: Ray's metrics harvester (opencensus DeltaProducer, a native thread no
+    ray.shutdown() stops) can crash it (SIGSEGV in absl::Mutex::UnlockSlow, ray-project/ray#36885):
+    `status` printed its answer, then exited -11. What is written is flushed first."""
+    code = main()
+    if not _joined_ray:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
