@@ -1,0 +1,39 @@
+"""How the `pdcluster` command's process ends (cli.run). After a command that joined Ray it ends
+with os._exit, past the interpreter's teardown, where Ray's metrics harvester thread can crash it
+(SIGSEGV after the answer was printed: ray-project/ray#36885, seen as `status --json` exiting
+-11 in a test run); what the command wrote must all be out first, and its exit status kept."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdcluster.cli import EXIT_BAD_INPUT
+from pdcluster.config import json_schema
+
+# The command as the console script runs it, in a process that counts as having joined Ray.
+RUN_AS_AFTER_RAY = "import sys; from pdcluster import cli; cli._joined_ray = True; sys.argv[0] = 'pdcluster'; cli.run()"
+
+
+@pytest.mark.parametrize("joined_ray", [False, True], ids=["plain-exit", "after-ray"])
+def test_a_long_answer_through_a_pipe_arrives_whole_with_its_exit_status(joined_ray):
+    code = RUN_AS_AFTER_RAY if joined_ray else RUN_AS_AFTER_RAY.replace("cli._joined_ray = True; ", "")
+    done = subprocess.run([sys.executable, "-c", code, "config", "schema"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout) > 1 << 14  # more than one buffer's worth
+    assert json.loads(done.stdout) == json_schema()
+
+
+def test_a_failing_command_keeps_its_exit_status_and_one_line(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_AS_AFTER_RAY, "config", "validate", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_BAD_INPUT
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and "missing.yaml" in done.stderr
