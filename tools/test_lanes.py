@@ -34,6 +34,7 @@ CLUSTER_MODULES = [
     "tests/e2e/test_planner.py",
     "tests/e2e/test_reliability.py",
     "tests/e2e/test_routing.py",
+    "tests/e2e/test_security.py",
 ]
 # Each lane ends with its slowest tests (setup, call and teardown apart): the suite's time budget
 # is kept by reading them.

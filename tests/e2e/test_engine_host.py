@@ -11,11 +11,12 @@ says when Dynamo traced a function; the engine's log says when it began to serve
 
 from __future__ import annotations
 
+import httpx
 import psutil
 import pytest
 
 from tests.support.engines import run_engine, tiny_engine
-from tests.support.handoff import complete, info, wait_for
+from tests.support.handoff import NAME, complete, info, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -55,4 +56,26 @@ def test_a_request_to_an_engine_whose_core_died_is_refused_unstarted_and_the_eng
         assert response.status_code == 503, response.text
         error = response.json()["error"]
         assert error["type"] == "engine_dead" and "nothing of this request was started" in error["message"], error
+        assert engine.process.wait(timeout=120) == 1
+
+
+def test_a_stream_the_engine_is_writing_when_its_core_dies_is_cut_not_ended_with_an_error(tmp_path):
+    """A stream vLLM is writing when its engine core dies is cut mid-answer (what the router sees
+    of a replica that died: it continues the stream on another decode replica), its server then
+    stops. Before, vLLM ended it with an error event, which the router relayed to the client as
+    the end of the stream."""
+    spec = tiny_engine("cut", dtype="float32", cpu_threads_bind="1")
+    body = {"model": NAME, "prompt": [5, 6, 7, 8], "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with run_engine(spec, tmp_path) as engine:
+        (core,) = [
+            p for p in psutil.Process(engine.process.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"
+        ]
+        events: list[str] = []
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            with engine.client() as client, client.stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    events.append(line)
+                    if len(events) == 3:
+                        core.kill()
+        assert len(events) >= 3 and not any('"error"' in event for event in events), events[-3:]
         assert engine.process.wait(timeout=120) == 1
