@@ -12,11 +12,11 @@ import pytest
 
 from pdcluster.keys import ENGINE_HTTP, KV_AUTH, KV_PARAMS, derive_key, engine_http_token
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
-from pdcluster.kv_transfer.transports.rpc import SERVICE
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.e2e.conftest import PD_SECRET
 from tests.support.cluster import cli
 from tests.support.engines import assert_engine_key_required
+from tests.support.raw_grpc import refused_raw_pull
 
 pytestmark = pytest.mark.e2e
 
@@ -49,23 +49,12 @@ def test_kv_endpoint_refuses_raw_client_without_secret(cluster):
     params = _prefill_params(cluster)
     (endpoint,) = params["remote_endpoints"]
     assert endpoint.startswith("127.0.0.1:")
-    with grpc.insecure_channel(endpoint) as channel:
-        pull = channel.unary_stream(
-            f"/{SERVICE}/Pull",
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=pb.KVChunk.FromString,
-        )
-        request = pb.PullRequest(
-            protocol_version=PROTOCOL_VERSION,
-            request_id=params["remote_request_id"],
-            block_ids=params["remote_block_ids"],
-        )
-        received = []
-        with pytest.raises(grpc.RpcError) as info:
-            for chunk in pull(request, timeout=10):
-                received.append(chunk)
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert received == []
+    request = pb.PullRequest(
+        protocol_version=PROTOCOL_VERSION,
+        request_id=params["remote_request_id"],
+        block_ids=params["remote_block_ids"],
+    )
+    assert refused_raw_pull(endpoint, request, 10) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def _listening(port: int) -> set[str]:

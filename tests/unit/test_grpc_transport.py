@@ -15,8 +15,8 @@ from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION, layout_digest
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, rpc
-from pdcluster.kv_transfer.transports.rpc import SERVICE
 from pdcluster.protos import kv_transfer_pb2 as pb
+from tests.support.raw_grpc import refused_raw_pull
 from tests.unit.kv_fixtures import make_cache
 
 SECRET = "s3cret-for-tests"
@@ -117,24 +117,13 @@ def test_raw_grpc_client_without_secret_gets_nothing(producer_server):
     """A hand-rolled client (no pdcluster code on its side) cannot read a leased block."""
     producer, server, _ = producer_server
     producer.leases.add("req-5", [1, 2], time.monotonic() + 30)
-    with grpc.insecure_channel(server.address) as channel:
-        pull = channel.unary_stream(
-            f"/{SERVICE}/Pull",
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=pb.KVChunk.FromString,
-        )
-        request = pb.PullRequest(
-            protocol_version=PROTOCOL_VERSION,
-            request_id="req-5",
-            block_ids=[1, 2],
-            layout_digest=layout_digest(producer.layout),
-        )
-        received = []
-        with pytest.raises(grpc.RpcError) as info:
-            for chunk in pull(request, timeout=5):
-                received.append(chunk)
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert received == []
+    request = pb.PullRequest(
+        protocol_version=PROTOCOL_VERSION,
+        request_id="req-5",
+        block_ids=[1, 2],
+        layout_digest=layout_digest(producer.layout),
+    )
+    assert refused_raw_pull(server.address, request, 5) == grpc.StatusCode.UNAUTHENTICATED
     # The lease is untouched: the legitimate consumer can still pull it.
     assert len(producer.leases) == 1
 
