@@ -75,7 +75,7 @@ class LeaseMessages:
         except KVTransferError:
             return
         seconds = lease.lease_seconds_or(self.settings.lease_seconds)
-        filed = lease.remote_lease_expiry - seconds  # unix, the producer's clock
+        filed = lease.filed_at(self.settings.lease_seconds)  # unix, the producer's clock
         now = time.monotonic()
         due = max(now, now + (filed - time.time()) + seconds / RENEWALS_PER_LEASE)
         with self._cond:

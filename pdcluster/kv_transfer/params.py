@@ -64,6 +64,11 @@ class KVParams:
         """How long this producer's leases last; `default` where its params do not say."""
         return self.remote_lease_seconds if self.remote_lease_seconds > 0 else default
 
+    def filed_at(self, default_lease_seconds: float) -> float:
+        """When the producer filed this lease (unix time, its clock): the expiry less its lease
+        (`lease_seconds_or(default_lease_seconds)`)."""
+        return self.remote_lease_expiry - self.lease_seconds_or(default_lease_seconds)
+
     def _signed_text(self) -> str:
         fields = [
             self.remote_engine_id,

@@ -362,8 +362,8 @@ class ConnectorWorker:
             self._messages.drop(spec.remote)  # pulled, released or failed: no more renewals
 
     def _pull_held(self, spec: PullSpec, started: float, clock: ThreadClock) -> PullResult:
-        # expiry = filing + the producer's lease_seconds; across hosts this adds their clock offset
-        filed = spec.remote.remote_lease_expiry - spec.remote.lease_seconds_or(self.settings.lease_seconds)
+        # across hosts the filing time (the producer's clock) carries their clock offset
+        filed = spec.remote.filed_at(self.settings.lease_seconds)
         lease_wait = max(0.0, time.time() - filed)
         faults = self.faults
         event = None
