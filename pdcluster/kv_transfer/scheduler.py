@@ -79,8 +79,8 @@ class ConnectorScheduler:
         self._meta = PDConnectorMetadata()
         # Consumer: requests admitted ahead of their prefill, until their first token is in.
         self._awaiting: dict[str, tuple[Request, AwaitParams]] = {}
-        # Producer: the params it hands out are signed (params.py); decode verifies before dialing.
-        self._params_key = derive_key(settings.secret_value(), KV_PARAMS)
+        # Producer: the params it hands out are signed (params.py); decode's worker verifies them.
+        self._params_key = derive_key(settings.secret_value(), KV_PARAMS) if is_producer else b""
 
     # -- startup ---------------------------------------------------------------------------
 
