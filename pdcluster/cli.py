@@ -330,6 +330,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import ray
 
     from pdcluster.orchestrator.session import Session
+    from pdcluster.orchestrator.status import format_status
 
     session = Session.load(args.name, notice)
     controller = _connect(session)
@@ -339,74 +340,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         out(format_status(status))
     return 0
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.0f}"
-
-
-def format_status(status: dict[str, Any]) -> str:
-    lines = [
-        f"cluster {status['name']}  mode {status['mode']}  model {status['model']}  endpoint {status['endpoint']}",
-        "",
-        f"{'REPLICA':<14}{'ROLE':<11}{'NODE':<16}{'STATE':<10}{'INFL':>5}{'RUN':>5}{'WAIT':>5}{'KV%':>6}"
-        f"{'TTFT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}  NOTES",
-    ]
-    for r in status["replicas"]:
-        if r["role"] == "prefill":
-            ttft = f"{_ms(r['prefill_p50'])}/{_ms(r['prefill_p99'])}"
-            itl = "-"
-        else:
-            ttft = f"{_ms(r['ttft_p50'])}/{_ms(r['ttft_p99'])}"
-            itl = f"{_ms(r['itl_p50'])}/{_ms(r['itl_p99'])}"
-        notes = []
-        if r["state"] == "starting":
-            notes.append(r["stage"])
-        if r["error"]:
-            notes.append(r["error"])
-        if r["role"] != "prefill" and r["async_scheduling"] is False and r["async_scheduling_reason"]:
-            notes.append(f"async scheduling off ({r['async_scheduling_reason']})")
-        if r.get("single_process_reason"):
-            notes.append(f"worker process kept ({r['single_process_reason']})")
-        stats = r.get("stats") or {}
-        if stats.get("spec_acceptance_rate") is not None:
-            notes.append(
-                f"MTP acceptance {stats['spec_acceptance_rate']:.2f}, "
-                f"{stats['spec_mean_accepted_length']:.2f} tok/round "
-                f"({stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']} drafts)"
-            )
-        if stats.get("prefix_cache_queries"):
-            notes.append(f"prefix hits {stats['prefix_cache_hits'] / stats['prefix_cache_queries']:.2f}")
-        if stats.get("kv_pull_failures"):
-            causes = ", ".join(f"{cause} {n}" for cause, n in sorted(stats["kv_pull_failures"].items()))
-            notes.append(f"failed pulls: {causes}")
-        if r.get("kv_backend"):
-            pairs = ", ".join(f"{peer}→{b}" for peer, b in sorted((r.get("kv_backends") or {}).items()))
-            notes.append(f"kv {r['kv_backend']}" + (f": {pairs}" if pairs else ""))
-        lines.append(
-            f"{r['replica']:<14}{r['role']:<11}{(r['node'] or '-'):<16}{r['state']:<10}{r['inflight']:>5}"
-            f"{r['running']:>5}{r['waiting']:>5}{r['kv_cache_usage'] * 100:>6.1f}{ttft:>17}{itl:>16}  {'; '.join(notes)}"
-        )
-    routes = status.get("routes") or {}
-    if routes:
-        lines.append("routes: " + ", ".join(f"{path} {count}" for path, count in sorted(routes.items())))
-    cache = status.get("cache") or {}
-    if cache.get("policy") == "cache_aware":
-        known = ", ".join(
-            f"{rid} {c['source']} ({c['blocks'] if c['source'] == 'events' else c['history']} blocks)"
-            for rid, c in sorted(cache["replicas"].items())
-        )
-        lines.append(f"cache-aware routing: {known or 'no replica followed yet'}")
-    planner = status.get("planner")
-    if planner:
-        wanted = ", ".join(f"{role} {planner['actual'][role]}→{n}" for role, n in sorted(planner["desired"].items()))
-        ago = time.time() - planner["at"]
-        lines.append(f"planner ({planner['mode']}): {planner['rule']}: {planner['reason']} ({ago:.0f} s ago; {wanted})")
-    for role, problem in sorted((status.get("unplaced") or {}).items()):
-        lines.append(f"{role}: cannot place a replica: {problem}")
-    lines.append("")
-    lines.append("(TTFT of prefill replicas: their prefill phase; latencies over the last minute)")
-    return "\n".join(lines)
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.cli import format_status
 from pdcluster.errors import KVTransferError, TransferTimeoutError
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.stats import PDTransferStats, failure_cause
 from pdcluster.kv_transfer.transports.selection import choose_backend, node_id, offered_backends
 from pdcluster.orchestrator.metrics import RouterMetrics
+from pdcluster.orchestrator.status import format_status
 
 ALL = ("grpc", "shm", "collective")
 WITH_MOONCAKE = (*ALL, "mooncake")
