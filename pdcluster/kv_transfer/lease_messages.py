@@ -41,6 +41,13 @@ class _Held:
     until: float = 0.0  # unix time the last renewal kept it to (0: never renewed)
 
 
+def known_ended(lease: KVParams, kept_until: float, now: float) -> bool:
+    """Whether `lease` is over for sure at unix time `now`: past its signed expiry and never renewed
+    here (`kept_until` 0). A lease this consumer renewed is not: the producer's deadline runs from
+    when the renewal reached it, later than the renewal's own estimate (`kept_until`)."""
+    return not kept_until and lease.remote_lease_expiry <= now
+
+
 def _key(lease: KVParams) -> tuple[str, str]:
     return lease.remote_engine_id, lease.remote_request_id
 
@@ -145,8 +152,8 @@ class LeaseMessages:
             period = held.seconds / RENEWALS_PER_LEASE
             if held.due > now + period / 2:
                 continue
-            if max(held.lease.remote_lease_expiry, held.until) <= wall:
-                del self._held[key]  # known to have ended: not renewed (nor dialed)
+            if known_ended(held.lease, held.until, wall):
+                del self._held[key]  # not renewed (nor dialed)
                 continue
             if now - held.due > LATE_WARNING * period:
                 late = max(late, now - held.due)

@@ -35,7 +35,7 @@ from pdcluster.kv_transfer.ahead import AheadPulls
 from pdcluster.kv_transfer.failures import report_failure
 from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.kv_cache import PagedKVCache
-from pdcluster.kv_transfer.lease_messages import LeaseMessages
+from pdcluster.kv_transfer.lease_messages import LeaseMessages, known_ended
 from pdcluster.kv_transfer.links import ProducerLinks
 from pdcluster.kv_transfer.metadata import (
     LeaseSpec,
@@ -372,11 +372,11 @@ class ConnectorWorker:
                 time.sleep(faults.config.pull_delay_s)  # injected fault: a stalled consumer
             assert self._messages is not None
             endpoint = self._endpoint(spec.remote)  # params no producer of this cluster signed fail first
-            expiry = max(spec.remote.remote_lease_expiry, self._messages.kept_until(spec.remote))
-            if time.time() > expiry:
+            if known_ended(spec.remote, self._messages.kept_until(spec.remote), time.time()):
                 # The producer has freed (or is freeing) the blocks: dialing would only wait.
+                ago = time.time() - spec.remote.remote_lease_expiry
                 raise LeaseExpiredError(
-                    f"KV lease of {spec.remote.remote_request_id} expired {time.time() - expiry:.1f} s ago: not pulled"
+                    f"KV lease of {spec.remote.remote_request_id} expired {ago:.1f} s ago: not pulled"
                 )
             client, _ = self._producer_client(spec.remote, endpoint)  # a layout mismatch fails here
             if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:

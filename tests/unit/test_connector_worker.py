@@ -209,6 +209,28 @@ def test_queued_leases_are_renewed_without_engine_steps_until_released(producer,
     assert consumer._messages.kept_until(queued) == 0.0  # no longer renewed
 
 
+def test_a_kept_lease_whose_renewal_runs_late_is_renewed_and_pulled_not_taken_for_ended(producer, consumer):
+    """Renewals held up past their own estimate of a lease's end (this process not scheduled) still
+    renew it, and its pull dials the producer, which holds it until a renewal reached it plus its
+    lease. Before, the keeper took the lease for ended and let it go, and its pull was refused as
+    expired while the producer still held it (a clean-clone run: "KV lease of req-2 expired 4.4 s
+    ago: not pulled" in test_a_pull_waiting_for_a_pull_thread_keeps_its_lease)."""
+    source, address = producer
+    source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+    kept = lease(address, expiry_in=1.2, lease_seconds=1.2)
+    consumer.bind(PDConnectorMetadata(queued=[kept]))
+    wait_for_renewal = time.monotonic() + 30
+    while not (first := consumer._messages.kept_until(kept)):
+        assert time.monotonic() < wait_for_renewal, "never renewed"
+        time.sleep(0.01)  # poll interval
+    with consumer._messages._cond:  # the keeper cannot run past its estimate of the lease's end
+        time.sleep(max(0.0, first - time.time()) + 0.5)
+    while consumer._messages.kept_until(kept) <= first:
+        assert time.monotonic() < wait_for_renewal, "the late renewal never went out: the lease was let go"
+        time.sleep(0.01)  # poll interval
+    assert outcome(consumer, PullSpec("d-1", kept, (4, 5), (0, 1))) == "ok"
+
+
 def test_renewals_that_run_late_say_so(producer, consumer, caplog):
     """Renewals wait on nothing but their own thread: when they run a couple of periods late, this
     process did not run, and the log says so (what an expired lease would otherwise leave unsaid)."""
