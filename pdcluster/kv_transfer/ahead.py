@@ -101,6 +101,8 @@ class AheadPulls:
             awaited = self._awaiting.pop(request_id, None) is not None
             given_up = request_id in self._given_up
             self._given_up.discard(request_id)
+        if awaited:  # (one given up was logged then)
+            logger.info("request %s admitted ahead of its prefill ended before its lease came", request_id)
         if awaited or given_up:
             self._report_failed(request_id, "the request ended before its prefill's lease came", "abandoned")
 

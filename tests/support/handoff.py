@@ -50,15 +50,16 @@ def greedy(response: httpx.Response) -> Greedy:
     return Greedy.from_choice(response.json()["choices"][0])
 
 
-def wait_for(predicate, timeout_s, what):
-    """Await a condition the engines report (bounded, re-checked on every answer)."""
+def wait_for(predicate, timeout_s, what, seen=None):
+    """Await a condition the engines report (bounded, re-checked on every answer); `seen()`: what
+    the timeout's message shows of the state it ended in."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f"; seen: {seen()}" if seen else ""))
         time.sleep(0.2)
 
 
