@@ -1,8 +1,8 @@
 """A consumer's lease messages to producers: releases (the blocks may be freed) and renewals
-(keep the blocks of a request that waits here), sent in the background on a pool of their own.
-
-They never queue behind pulls: a stalled pull would otherwise hold the blocks of pulls already
-done, and let the leases of waiting requests expire. Renewals cover every lease this consumer
+(keep the blocks of a request that waits here), sent in the background, each kind on a pool of its
+own. They never queue behind pulls: a stalled pull would otherwise hold the blocks of pulls already
+done, and let the leases of waiting requests expire; nor renewals behind releases to a producer
+that answers slowly. Renewals cover every lease this consumer
 holds unpulled (`hold`): the requests queued in its scheduler (the step's metadata names each
 once) and the pulls waiting for a pull thread. They run on a clock of their own (a thread), not
 on the engine's steps: an engine core that takes no step for a while (a long step, a compile, a
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pdcluster.errors import KVTransferError
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.kv_transfer.settings import KVTransferSettings
+from pdcluster.kv_transfer.stats import ThreadClock, machine_stalls
 from pdcluster.kv_transfer.transports.base import TransportClient
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ class LeaseMessages:
         self.engine_id = engine_id
         self._endpoint_for = endpoint_for  # raises for params no producer of this cluster signed
         self._connection = connection
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-lease-messages")
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-lease-releases")
+        # renewals never queue behind releases to a producer that answers slowly
+        self._renewals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-lease-renewals")
         self._cond = threading.Condition()
         self._held: dict[tuple[str, str], _Held] = {}  # (producer engine, its request id) -> lease
         self._closed = False
@@ -118,30 +121,34 @@ class LeaseMessages:
             self._held.clear()
             self._cond.notify()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._renewals.shutdown(wait=False, cancel_futures=True)
 
     # -- the keeper thread ---------------------------------------------------------------------
 
     def _keep(self) -> None:
+        clock = ThreadClock()  # this thread's waits for a CPU since it last renewed
         while True:
             with self._cond:
                 if self._closed:
                     return
                 if not self._held:
                     self._cond.wait()
+                    clock = ThreadClock()
                     continue
                 now = time.monotonic()
                 first = min(held.due for held in self._held.values())
                 if first > now:
                     self._cond.wait(first - now)
                     continue
-                due = self._take_due(now)
+                due = self._take_due(now, clock)
+                clock = ThreadClock()
             for endpoint, request_ids in due.items():
                 try:
-                    self._pool.submit(self._renew, endpoint, request_ids)
+                    self._renewals.submit(self._renew, endpoint, request_ids)
                 except RuntimeError:
                     logger.debug("not renewing %d leases: shutting down", len(request_ids))
 
-    def _take_due(self, now: float) -> dict[str, list[str]]:
+    def _take_due(self, now: float, clock: ThreadClock) -> dict[str, list[str]]:
         """The leases to renew now, by endpoint (those due within half a period are renewed with
         them, in one call), each marked renewed; those known to have ended are let go. Under the
         lock."""
@@ -160,8 +167,16 @@ class LeaseMessages:
             due.setdefault(held.endpoint, []).append(held.lease.remote_request_id)
             held.due, held.until = now + period, wall + held.seconds
         if late:
-            # Nothing here waits on the engine: this process (or its host) did not run for that long.
-            logger.warning("KV lease renewals ran %.1f s late: this process was not scheduled", late)
+            # Nothing here waits on the engine: this thread did not run for that long, for want of
+            # a CPU (its cores busy), or of its process (its interpreter lock held, a stop)
+            _, runnable = clock.elapsed()
+            logger.warning(
+                "KV lease renewals ran %.1f s late: this thread waited %.1f s of it for a CPU, the rest "
+                "for its process (interpreter lock, a stop); machine stalls over 10 s: %s",
+                late,
+                runnable,
+                machine_stalls() or "not kept",
+            )
         return due
 
     # -- the pool -----------------------------------------------------------------------------

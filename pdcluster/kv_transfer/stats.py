@@ -11,6 +11,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -100,6 +101,21 @@ class ThreadClock:
         """(seconds on a CPU, seconds runnable but waiting for a CPU) since construction."""
         now = self._read()
         return max(0.0, now[0] - self._start[0]), max(0.0, now[1] - self._start[1])
+
+
+def machine_stalls() -> str:
+    """The kernel's pressure-stall shares of the last 10 s (PSI), for a log line about a thread that
+    did not run: 'cpu 12% memory 0% io 40%' (the share of time some task waited for a CPU, every
+    task for memory, every task for I/O); '' where the kernel keeps none."""
+    shares = []
+    for resource, line in (("cpu", "some"), ("memory", "full"), ("io", "full")):
+        try:
+            text = Path(f"/proc/pressure/{resource}").read_text()
+        except OSError:
+            return ""
+        found = re.search(rf"^{line} avg10=([\d.]+)", text, re.MULTILINE)
+        shares.append(f"{resource} {float(found.group(1)):.0f}%" if found else f"{resource} ?")
+    return " ".join(shares)
 
 
 def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:

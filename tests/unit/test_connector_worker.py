@@ -5,6 +5,7 @@ vLLM, never an exception that would kill the engine."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -236,8 +237,9 @@ def test_a_kept_lease_whose_renewal_runs_late_is_renewed_and_pulled_not_taken_fo
 
 
 def test_renewals_that_run_late_say_so(producer, consumer, caplog):
-    """Renewals wait on nothing but their own thread: when they run a couple of periods late, this
-    process did not run, and the log says so (what an expired lease would otherwise leave unsaid)."""
+    """Renewals wait on nothing but their own thread: when they run a couple of periods late, the
+    log says so (what an expired lease would otherwise leave unsaid), and how much of the delay the
+    thread waited for a CPU: here it was held up in its own process (a lock), so not all of it."""
     source, address = producer
     source.leases.add("req-1", [4, 5], time.monotonic() + 600)
     with caplog.at_level("WARNING", logger="pdcluster.kv_transfer.lease_messages"):
@@ -245,9 +247,15 @@ def test_renewals_that_run_late_say_so(producer, consumer, caplog):
         with consumer._messages._cond:  # the keeper cannot run: 0.2 s periods, 1 s without
             time.sleep(1)
         deadline = time.monotonic() + 30
-        while not any("late" in r.getMessage() for r in caplog.records):
+        while not (late := [r.getMessage() for r in caplog.records if "late" in r.getMessage()]):
             assert time.monotonic() < deadline, "no warning"
             time.sleep(0.01)  # poll interval
+    found = re.search(r"ran ([\d.]+) s late: this thread waited ([\d.]+) s of it for a CPU", late[0])
+    assert found, late[0]
+    assert float(found.group(2)) < float(found.group(1)) >= 0.4, late[0]
+    # and what the machine's kernel saw meanwhile, where it keeps pressure stalls
+    stalls = r"cpu \d+% memory \d+% io \d+%" if os.path.exists("/proc/pressure/io") else "not kept"
+    assert re.search("machine stalls over 10 s: " + stalls, late[0]), late[0]
 
 
 def test_a_release_after_shutdown_is_left_to_the_lease_expiry(producer, consumer):
@@ -289,6 +297,30 @@ def test_releases_and_renewals_do_not_queue_behind_a_stalled_pull():
     finally:
         worker.shutdown()
         server.stop(0)
+
+
+def test_a_renewal_does_not_queue_behind_releases_to_a_producer_that_does_not_answer(producer):
+    """Releases to a producer that takes connections and never answers hold every release thread
+    (up to their deadline, a minute here); a queued lease of another producer is renewed meanwhile.
+    Before, renewals shared those threads and waited behind the releases, past short leases."""
+    source, address = producer
+    source.lease_seconds = 600  # what a renewal extends a lease to
+    settings = SETTINGS.model_copy(update={"release_timeout_seconds": 60, "connect_timeout_seconds": 60})
+    worker = make_worker(settings, "decode-0", producer=False, fill="zeros")
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel takes connections; nothing answers
+    try:
+        mute = f"127.0.0.1:{silent.getsockname()[1]}"
+        releases = [ReleaseSpec(lease(mute, request_id=f"req-{i}"), "local cache hit") for i in range(7, 11)]
+        worker.bind(PDConnectorMetadata(releases=releases))
+        source.leases.add("req-2", [6], time.monotonic() + 1)
+        worker.bind(PDConnectorMetadata(queued=[lease(address, (6,), 3, "req-2", 3)]))  # every half second
+        deadline = time.monotonic() + 20  # well inside the releases' minute
+        while source.leases._leases["req-2"].deadline < time.monotonic() + 100:
+            assert time.monotonic() < deadline, "the renewal waited behind the releases"
+            time.sleep(0.01)  # poll interval
+    finally:
+        silent.close()  # the releases' connections are reset: they end
+        worker.shutdown()
 
 
 @pytest.mark.parametrize(
