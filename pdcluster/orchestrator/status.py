@@ -18,6 +18,7 @@ def replica_row(replica, latency: dict[str, Any], inflight: dict[str, int], kv_b
         "replica": replica.replica_id,
         "role": replica.role,
         "node": replica.node,
+        "pid": info.get("pid"),  # its actor's process on that node (engine processes are below it)
         "state": replica.state.label,
         "stage": replica.stage,
         "url": replica.url,

@@ -51,20 +51,20 @@ def client(cluster):
 
 @pytest.fixture(scope="module")
 def kill(cluster):
-    """Crash a replica: SIGKILL its actor process (looked up first, so the kill lands at once)."""
-    import ray
-
-    session = json.loads((cluster.home / f"{cluster.name}.json").read_text())
-    ray.init(address=session["ray_address"], namespace=session["namespace"], log_to_driver=False)
+    """Crash a replica: SIGKILL its actor process (looked up first, so the kill lands at once).
+    Its pid comes from `status --json`: this process does not join Ray (a Ray driver's exit can
+    crash, ray-project/ray#36885, which would fail a lane whose tests passed)."""
 
     def pid_of(replica: str) -> int:
-        return ray.get(ray.get_actor(f"{cluster.name}-{replica}").info.remote(), timeout=60)["pid"]
+        status = cluster.wait_status(
+            lambda s: any(r["replica"] == replica and r["pid"] for r in s["replicas"]), 60, f"the pid of {replica}"
+        )
+        return next(r["pid"] for r in status["replicas"] if r["replica"] == replica)
 
     def crash(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
-    yield SimpleNamespace(pid_of=pid_of, crash=crash)
-    ray.shutdown()
+    return SimpleNamespace(pid_of=pid_of, crash=crash)
 
 
 def inflight(cluster, replica: str) -> float:
