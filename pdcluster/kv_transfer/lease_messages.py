@@ -1,15 +1,14 @@
-"""A consumer's lease messages to producers: releases (the blocks may be freed) and renewals
-(keep the blocks of a request that waits here), sent in the background, each kind on a pool of its
-own. They never queue behind pulls: a stalled pull would otherwise hold the blocks of pulls already
-done, and let the leases of waiting requests expire; nor renewals behind releases to a producer
-that answers slowly. Renewals cover every lease this consumer
-holds unpulled (`hold`): the requests queued in its scheduler (the step's metadata names each
-once) and the pulls waiting for a pull thread. They run on a clock of their own (a thread), not
-on the engine's steps: an engine core that takes no step for a while (a long step, a compile, a
-starved core) would otherwise let the leases of its queued requests expire. Each lease is renewed
-every sixth of its producer's `lease_seconds` (vLLM's NIXL heartbeat) counted from its filing or
-last renewal, and a renewal keeps it that long: the producer's params say how long, which need
-not be this consumer's setting.
+"""A consumer's lease messages to producers: releases (the blocks may be freed) and renewals (keep the
+blocks of a request that waits here), sent in the background, each kind on a pool of its own. They
+never queue behind pulls: a stalled pull would otherwise hold the blocks of pulls already done, and
+let the leases of waiting requests expire; nor renewals behind releases to a producer that answers
+slowly. Renewals cover every lease this consumer holds unpulled (`hold`): the requests queued in
+its scheduler (the step's metadata names each once) and the pulls waiting for a pull thread. They
+run on a clock of their own (a thread), not on the engine's steps: an engine core that takes no
+step for a while (a long step, a compile, a starved core) would otherwise let the leases of its
+queued requests expire. Each lease is renewed every sixth of its producer's `lease_seconds` (vLLM's
+NIXL heartbeat) counted from its filing or last renewal, and a renewal keeps it that long: the
+producer's params say how long, which need not be this consumer's setting.
 """
 
 from __future__ import annotations

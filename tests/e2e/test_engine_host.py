@@ -12,10 +12,9 @@ says when Dynamo traced a function; the engine's log says when it began to serve
 from __future__ import annotations
 
 import httpx
-import psutil
 import pytest
 
-from tests.support.engines import run_engine, tiny_engine
+from tests.support.engines import engine_core, run_engine, tiny_engine
 from tests.support.handoff import NAME, complete, info, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -47,9 +46,7 @@ def test_a_request_to_an_engine_whose_core_died_is_refused_unstarted_and_the_eng
     attribute 'server'" while the engine served on, dead)."""
     spec = tiny_engine("dies", dtype="float32", cpu_threads_bind="1")
     with run_engine(spec, tmp_path) as engine:
-        (core,) = [
-            p for p in psutil.Process(engine.process.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"
-        ]
+        core = engine_core(engine.process.pid)
         core.kill()
         wait_for(lambda: info(engine)["healthy"] is False, 60, "the host to see its engine dead")
         response = complete(engine, [5, 6, 7, 8], 2)
@@ -67,9 +64,7 @@ def test_a_stream_the_engine_is_writing_when_its_core_dies_is_cut_not_ended_with
     spec = tiny_engine("cut", dtype="float32", cpu_threads_bind="1")
     body = {"model": NAME, "prompt": [5, 6, 7, 8], "max_tokens": 900, "ignore_eos": True, "stream": True}
     with run_engine(spec, tmp_path) as engine:
-        (core,) = [
-            p for p in psutil.Process(engine.process.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"
-        ]
+        core = engine_core(engine.process.pid)
         events: list[str] = []
         with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
             with engine.client() as client, client.stream("POST", "/v1/completions", json=body) as response:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from pdcluster.keys import engine_http_token
 from tests.e2e.conftest import PD_LEASE_S, PD_SECRET
+from tests.support.engines import engine_core
 from tests.support.prompts import heldout_prompts, token_prompt
 
 pytestmark = pytest.mark.e2e
@@ -232,7 +233,7 @@ def test_a_replica_whose_engine_core_alone_dies_is_replaced(cluster, client, kil
     victim = ready(status, "prefill")[0]
     victim_url = next(r["url"] for r in status["replicas"] if r["replica"] == victim)
     actor = psutil.Process(kill.pid_of(victim))
-    (core,) = [p for p in actor.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    core = engine_core(actor.pid)
     core.kill()
     # Requests from the moment the host knows, or its replica is gone (a request vLLM took in the
     # instant before is in flight on the dead engine: its error is its answer).
@@ -266,7 +267,7 @@ def test_a_decode_whose_engine_core_dies_mid_stream_has_its_streams_continued_el
     victim = ready(status, "decode")[0]
     victim_url = next(r["url"] for r in status["replicas"] if r["replica"] == victim)
     actor = psutil.Process(kill.pid_of(victim))
-    (core,) = [p for p in actor.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    core = engine_core(actor.pid)
     migrations_before = migrations(cluster)
     with ThreadPoolExecutor(4) as pool:
         # prompts no replica has cached: the streams spread by load, both decodes get some

@@ -208,6 +208,12 @@ def assert_engine_key_required(url: str, headers: dict[str, str]) -> None:
         assert httpx.request(method, url + path, headers=headers, timeout=30).status_code == 200, path
 
 
+def engine_core(pid: int) -> psutil.Process:
+    """The one vLLM engine-core process (VLLM::EngineCore) below process `pid`."""
+    (core,) = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    return core
+
+
 def vllm_processes(pid: int) -> dict[str, list[int]]:
     """The engine's vLLM processes by title (VLLM::EngineCore, VLLM::Worker...): the cores each
     one's main thread may run on."""
