@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
 
+def openai_error(message: str, kind: str, code: str | int, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body: what the router and the engine ports answer a request they
+    refuse or fail."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class PDClusterError(Exception):
     """Base class. `http_status` and `error_type` shape the router's OpenAI-style error body."""
 

@@ -14,10 +14,12 @@ import hmac
 import json
 from typing import Any
 
+from pdcluster.errors import openai_error
+
 
 def error_body(message: str, kind: str, code: int) -> bytes:
     """An OpenAI-style error answer."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return json.dumps(openai_error(message, kind, code)).encode()
 
 
 def unauthorized_body() -> bytes:

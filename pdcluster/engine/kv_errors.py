@@ -17,6 +17,8 @@ import json
 import re
 from typing import Any
 
+from pdcluster.engine.http_auth import send_error
+from pdcluster.errors import openai_error
 from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.failures import FailureInbox
 
@@ -28,14 +30,9 @@ _DONE = b"data: [DONE]"
 def kv_error_body(producer: str, consumer: str, reason: str, aborted: bool = False) -> dict[str, Any]:
     """`aborted`: a request admitted ahead of its prefill whose lease never came (any policy)."""
     why = "no lease came for a request admitted ahead of its prefill" if aborted else "kv_transfer.failure_policy=fail"
-    return {
-        "error": {
-            "message": f"KV handoff from {producer} to {consumer} failed and {why}: {reason}",
-            "type": "kv_transfer_error",
-            "param": None,
-            "code": 502,
-        }
-    }
+    return openai_error(
+        f"KV handoff from {producer} to {consumer} failed and {why}: {reason}", "kv_transfer_error", 502
+    )
 
 
 def lease_of(body: bytes) -> str | None:
@@ -128,11 +125,7 @@ class _Rewriter:
         self.held = None
         explained = self.owner.explained(self.body_chunks)
         if explained is not None:
-            body = json.dumps(explained).encode()
-            start = {
-                "type": "http.response.start",
-                "status": 502,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
+            await send_error(self.send, 502, json.dumps(explained).encode())
+            return
         await self.send(start)
         await self.send({"type": "http.response.body", "body": body, "more_body": False})

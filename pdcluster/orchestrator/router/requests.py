@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pdcluster.errors import openai_error
 from pdcluster.orchestrator.router.cache_index import Prompt
 from pdcluster.orchestrator.router.settings import RouterSettings
 
@@ -28,10 +29,7 @@ def error_response(
     status: int, message: str, err_type: str, code: str | int | None = None, param: str | None = None
 ) -> JSONResponse:
     """OpenAI-style error body."""
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": err_type, "param": param, "code": code or status}},
-    )
+    return JSONResponse(status_code=status, content=openai_error(message, err_type, code or status, param))
 
 
 class BadRequest(Exception):
