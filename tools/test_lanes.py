@@ -16,10 +16,20 @@ PDCLUSTER_TEST_LANE). Test hosts take a subnet no other lane holds.
 The clusters lane prints as it runs; the engines lane's output follows when it is done. The
 exit status is the first non-zero one (pytest's 5, no tests collected, counts as a failure).
 Arguments are passed to both pytest sessions (e.g. `-x`, `-k name`).
+
+Where the kernel groups threads by session for scheduling (autogroup, kernel.sched_autogroup_
+enabled) and this runs as root, grouping is off for the run and restored after it. The suite runs
+many sessions at once (each lane, each engine a test starts, each Ray node), and on the 6.18
+kernel of these machines one group's threads were seen to wait 10-30 s for a CPU while another
+group ran: the scheduler's debug view showed the running group's virtual time stand still while
+its weight changed every tick (its threads on both cores), so the waiting group never became
+eligible. Engines starved so long miss lease renewals and health checks that no load of their own
+explains. Ungrouped, every thread is scheduled on its own and waits its turn among all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -41,6 +51,33 @@ CLUSTER_MODULES = [
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--durations=25", "--durations-min=10"]
 
 
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
+
+
+@contextlib.contextmanager
+def threads_scheduled_alone(switch: Path = AUTOGROUP):
+    """Session autogrouping off while the block runs (and as it was after it), where the kernel has
+    it on and lets this process change it; otherwise nothing changes. Yields what it did, for
+    one line of output ('' where nothing was to be done)."""
+    try:
+        was = switch.read_text().strip()
+    except OSError:
+        yield ""  # no autogroup in this kernel
+        return
+    if was == "0":
+        yield ""
+        return
+    try:
+        switch.write_text("0")
+    except OSError as exc:
+        yield f"test_lanes: kernel session autogrouping stays on ({switch}: {exc.strerror})"
+        return
+    try:
+        yield f"test_lanes: kernel session autogrouping off for this run ({switch}, restored after)"
+    finally:
+        switch.write_text(was)
+
+
 def lanes(extra: list[str]) -> dict[str, list[str]]:
     missing = [m for m in CLUSTER_MODULES if not (REPO / m).exists()]
     if missing:
@@ -50,6 +87,14 @@ def lanes(extra: list[str]) -> dict[str, list[str]]:
 
 
 def main(argv: list[str]) -> int:
+    with threads_scheduled_alone() as done:
+        if done:
+            sys.stdout.write(done + "\n")
+            sys.stdout.flush()
+        return run_lanes(argv)
+
+
+def run_lanes(argv: list[str]) -> int:
     base = Path(tempfile.gettempdir()) / "pdcluster-tests"
     base.mkdir(mode=0o700, exist_ok=True)  # pytest makes each lane's --basetemp, not its parent
     procs: dict[str, subprocess.Popen] = {}

@@ -164,7 +164,7 @@ def live_processes(belongs: Callable[[int], bool]) -> Iterator[tuple[int, bytes]
 @contextlib.contextmanager
 def _free_group() -> Iterator[int]:
     """The lowest subnet group (198.18.<group>.0/24) no other make_hosts on this machine holds
-    (test lanes run at once, tools/test_lanes.sh); held, by an flock, until the hosts are gone."""
+    (test lanes run at once, tools/test_lanes.py); held, by an flock, until the hosts are gone."""
     for group in range(256):
         path = Path(tempfile.gettempdir()) / f"pdcluster-test-hosts-{group}.lock"
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
