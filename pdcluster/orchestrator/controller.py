@@ -34,7 +34,7 @@ from pdcluster.orchestrator.placement import actor_options, demand, orchestrator
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import RouterActor, RouterSettings
-from pdcluster.orchestrator.status import replica_row
+from pdcluster.orchestrator.status import replica_row, retired_row
 
 logger = logging.getLogger(__name__)
 
@@ -472,7 +472,7 @@ class Controller:
             "routes": routes,
             "cache": cache,
             "planner": self.planner.last if self.planner is not None else None,
-            "retired": [{"replica": r.replica_id, "role": r.role, "transitions": r.transitions} for r in self._retired],
+            "retired": [retired_row(r) for r in self._retired],
         }
 
     def ping(self) -> str:

@@ -47,6 +47,16 @@ def replica_row(replica, latency: dict[str, Any], inflight: dict[str, int], kv_b
     }
 
 
+def retired_row(replica) -> dict[str, Any]:
+    """A replica the controller stopped or replaced: its states, and why it ended."""
+    return {
+        "replica": replica.replica_id,
+        "role": replica.role,
+        "transitions": replica.transitions,
+        "error": replica.error,
+    }
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 

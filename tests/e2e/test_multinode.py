@@ -99,6 +99,13 @@ def rows(status: dict, role: str, state: str = "ready") -> list[dict]:
     return [r for r in status["replicas"] if r["role"] == role and r["state"] == state]
 
 
+def decode_rows(status: dict) -> list[tuple]:
+    """Every decode replica status knows, retired ones too, for a failure's message: where each
+    runs, its state, and why it stopped."""
+    live = [(r["replica"], r["node"], r["state"], r["error"]) for r in status["replicas"] if r["role"] == "decode"]
+    return live + [(r["replica"], "retired", r["error"]) for r in status["retired"] if r["role"] == "decode"]
+
+
 def stats_of(cluster, role: str) -> dict:
     return rows(cluster.status(), role)[0]["stats"]
 
@@ -202,7 +209,7 @@ def test_scaling_decode_places_the_new_replica_on_another_host(cluster, hosts, r
         cluster.cli("scale", "decode", "2", "--wait", "--name", cluster.name)
         status = cluster.status()
         nodes = sorted(r["node"] for r in rows(status, "decode"))
-        assert nodes == sorted([decode_host.address, spare.address]), nodes
+        assert nodes == sorted([decode_host.address, spare.address]), decode_rows(status)
         # Concurrent requests spread over both decode replicas (least loaded), the new one's
         # pulls through the delay.
         outputs = greedy_at_once(cluster, PROMPTS[SCALED])
@@ -213,7 +220,8 @@ def test_scaling_decode_places_the_new_replica_on_another_host(cluster, hosts, r
 def test_losing_a_hosts_ray_node_restarts_its_replica_on_another_host(cluster, hosts):
     _, _, decode_host, spare = hosts
     status = cluster.status()
-    victim = next(r["replica"] for r in rows(status, "decode") if r["node"] == decode_host.address)
+    victim = next((r["replica"] for r in rows(status, "decode") if r["node"] == decode_host.address), None)
+    assert victim, f"no ready decode replica on {decode_host.address}: {decode_rows(status)}"
     outcomes: list[str] = []
     lock = threading.Lock()
     generating = threading.Semaphore(0)

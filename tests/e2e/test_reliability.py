@@ -253,6 +253,7 @@ def test_a_replica_whose_engine_core_alone_dies_is_replaced(cluster, client, kil
     )
     dead = [r for r in status["retired"] if r["replica"] == victim]
     assert dead and dead[0]["transitions"][-1][1] == "dead"
+    assert dead[0]["error"] == "engine died"  # status says why it was retired
     actor.wait(timeout=60)  # its actor was ended too (raises while it still runs)
     assert stream_text(client, heldout_prompts()[18], 8)
 
