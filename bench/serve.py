@@ -70,6 +70,7 @@ from bench.serve_report import report, summarize  # noqa: E402
 from bench.vllm_pd_proxy import vllm_pd_setup  # noqa: E402
 from pdcluster.config import RoleSection  # noqa: E402
 from pdcluster.keys import engine_http_token  # noqa: E402
+from tools import autogroup  # noqa: E402
 
 ENGINE_ARGS = {"enforce_eager": True, "max_num_seqs": 64, "max_num_batched_tokens": 4096}
 MAX_MODEL_LEN = 4096
@@ -234,21 +235,15 @@ def generator_priority(nice: int) -> None:
         autogroup.write_text(str(nice))
 
 
-AUTOGROUPS = Path("/proc/sys/kernel/sched_autogroup_enabled")
-
-
 def autogroups_off() -> None:
-    """--no-autogroups: the kernel's scheduler autogroups off while the benchmark runs, back on at
-    its exit. Even in a session of its own at nice -10 (generator_priority) the generator still
-    waited runnable up to 0.3 s at a time while the cluster served; with autogroups off, nice
-    applies across sessions and it never woke over 50 ms late (the probe cited there)."""
-    if not AUTOGROUPS.exists() or AUTOGROUPS.read_text().strip() == "0":
-        return
+    """--no-autogroups: the kernel's scheduler autogroups off while the benchmark runs, as they
+    were at its exit (tools/autogroup.py: why a load generator needs it)."""
     try:
-        AUTOGROUPS.write_text("0")
+        was = autogroup.turn_off()
     except PermissionError:
-        raise SystemExit(f"--no-autogroups: writing {AUTOGROUPS} needs root") from None
-    atexit.register(AUTOGROUPS.write_text, "1")
+        raise SystemExit(f"--no-autogroups: writing {autogroup.SWITCH} needs root") from None
+    if was is not None:
+        atexit.register(autogroup.restore, was)
 
 
 def add_client_args(parser: argparse.ArgumentParser) -> None:

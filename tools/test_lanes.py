@@ -17,14 +17,9 @@ The clusters lane prints as it runs; the engines lane's output follows when it i
 exit status is the first non-zero one (pytest's 5, no tests collected, counts as a failure).
 Arguments are passed to both pytest sessions (e.g. `-x`, `-k name`).
 
-Where the kernel groups threads by session for scheduling (autogroup, kernel.sched_autogroup_
-enabled) and this runs as root, grouping is off for the run and restored after it. The suite runs
-many sessions at once (each lane, each engine a test starts, each Ray node), and on the 6.18
-kernel of these machines one group's threads were seen to wait 10-30 s for a CPU while another
-group ran: the scheduler's debug view showed the running group's virtual time stand still while
-its weight changed every tick (its threads on both cores), so the waiting group never became
-eligible. Engines starved so long miss lease renewals and health checks that no load of their own
-explains. Ungrouped, every thread is scheduled on its own and waits its turn among all of them.
+Where the kernel groups threads by session for scheduling (autogroup) and this runs as root,
+grouping is off for the run and as it was after it (tools/autogroup.py: on these machines' kernel,
+groups starved each other for 10-30 s, and lease and health-check tests failed for it).
 """
 
 from __future__ import annotations
@@ -34,9 +29,14 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools import autogroup  # noqa: E402
+
 CLUSTER_MODULES = [
     "tests/e2e/test_cluster.py",
     "tests/e2e/test_foreground.py",
@@ -51,31 +51,23 @@ CLUSTER_MODULES = [
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--durations=25", "--durations-min=10"]
 
 
-AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
-
-
 @contextlib.contextmanager
-def threads_scheduled_alone(switch: Path = AUTOGROUP):
-    """Session autogrouping off while the block runs (and as it was after it), where the kernel has
-    it on and lets this process change it; otherwise nothing changes. Yields what it did, for
-    one line of output ('' where nothing was to be done)."""
+def threads_scheduled_alone(switch: Path = autogroup.SWITCH) -> Iterator[str]:
+    """Session autogrouping off while the block runs, where the kernel has it on and lets this
+    process change it; otherwise nothing changes. Yields one line saying what it did ('' where
+    there was nothing to do)."""
     try:
-        was = switch.read_text().strip()
-    except OSError:
-        yield ""  # no autogroup in this kernel
-        return
-    if was == "0":
-        yield ""
-        return
-    try:
-        switch.write_text("0")
+        was = autogroup.turn_off(switch)
     except OSError as exc:
         yield f"test_lanes: kernel session autogrouping stays on ({switch}: {exc.strerror})"
+        return
+    if was is None:
+        yield ""
         return
     try:
         yield f"test_lanes: kernel session autogrouping off for this run ({switch}, restored after)"
     finally:
-        switch.write_text(was)
+        autogroup.restore(was, switch)
 
 
 def lanes(extra: list[str]) -> dict[str, list[str]]:

@@ -1,6 +1,7 @@
 """tools/test_lanes.py turns the kernel's session autogrouping off for the suite and back on after
-it. A file stands in for /proc/sys/kernel/sched_autogroup_enabled: the real switch is the
-machine's, and the other lane runs while these tests do."""
+it (tools/autogroup.py, which bench/serve.py's --no-autogroups uses too). A file stands in for
+/proc/sys/kernel/sched_autogroup_enabled: the real switch is the machine's, and the other lane
+runs while these tests do."""
 
 from __future__ import annotations
 
