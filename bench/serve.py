@@ -230,9 +230,9 @@ def generator_priority(nice: int) -> None:
     (bench/results/2026-12-03-serve-sweep-probe-autogroup.md). So its own session's autogroup gets
     the same nice."""
     os.nice(nice)
-    autogroup = Path("/proc/self/autogroup")
-    if autogroup.exists():
-        autogroup.write_text(str(nice))
+    own_group = Path("/proc/self/autogroup")  # not the module: this session's group
+    if own_group.exists():
+        own_group.write_text(str(nice))
 
 
 def autogroups_off() -> None:
