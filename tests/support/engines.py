@@ -116,7 +116,10 @@ def _launch(spec: EngineSpec, log_dir: Path) -> tuple[subprocess.Popen, Path]:
             stderr=log,
             env=env,
             cwd=REPO,
-            start_new_session=True,
+            # A process group of its own (stop_processes ends it whole), in the test session's
+            # session: where the kernel's session autogrouping stays on (tools/autogroup.py), a
+            # session per engine made each engine a scheduling group of its own.
+            process_group=0,
         )
     return proc, log_path
 
