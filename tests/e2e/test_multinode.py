@@ -50,8 +50,9 @@ def reference(reference_engine):
 
 
 @pytest.fixture(scope="module")
-def hosts():
-    with make_hosts(4) as made:
+def hosts(tmp_path_factory):
+    # Each host's Ray logs (the controller's, the replicas') outlive it: <basetemp>/host-ray-logs0
+    with make_hosts(4, keep_logs=tmp_path_factory.mktemp("host-ray-logs")) as made:
         head, prefill, decode, spare = made
         require_nft(decode)
         head.start_ray(num_cpus=0)  # the router and controller need no CPU; no engine fits here

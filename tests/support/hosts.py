@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +39,8 @@ RAY_DIR = "/tmp/ray"  # Ray's default state directory, private to each host
 RAY_DIR_BYTES = 2 << 30
 RAY_STARTED = "Ray runtime started"
 RAY_SLOW_START = "The current node timed out during startup"  # ray/_private/node.py
+
+logger = logging.getLogger(__name__)
 
 
 def require_root() -> None:
@@ -182,15 +185,31 @@ def _free_group() -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def make_hosts(count: int) -> Iterator[list[Host]]:
+def make_hosts(count: int, keep_logs: Path | None = None) -> Iterator[list[Host]]:
     """`count` hosts at 198.18.<group>.11, .12, ... (a group free on this machine) on a fresh
-    bridge; all removed on exit."""
+    bridge; all removed on exit. `keep_logs`: where each host's Ray session logs (the controller's
+    and the replicas' among them) are copied, to `keep_logs/<address>`, before the host and its
+    private Ray directory go."""
     require_root()
     with _free_group() as group:
-        yield from _make_hosts(count, group)
+        yield from _make_hosts(count, group, keep_logs)
 
 
-def _make_hosts(count: int, group: int) -> Iterator[list[Host]]:
+def keep_ray_logs(host: Host, into: Path) -> None:
+    """Copy `host`'s latest Ray session's logs to `into/<address>` (nothing where no Ray ran).
+    Its /tmp/ray is a mount of its own: read through its init's root."""
+    ray_dir = Path(f"/proc/{host.init_pid}/root") / RAY_DIR.lstrip("/")
+    try:
+        session = ray_dir / os.path.basename(os.readlink(ray_dir / "session_latest"))
+    except OSError:
+        return  # no Ray session on this host
+    try:
+        shutil.copytree(session / "logs", into / host.address, symlinks=True, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:  # a failed copy must not keep the hosts alive
+        logger.warning("could not keep the Ray logs of %s: %s", host.name, exc)
+
+
+def _make_hosts(count: int, group: int, keep_logs: Path | None = None) -> Iterator[list[Host]]:
     tag = secrets.token_hex(2)
     bridge = f"pdbr{tag}"
     made_links: list[str] = []
@@ -232,6 +251,8 @@ def _make_hosts(count: int, group: int) -> Iterator[list[Host]]:
         yield hosts
     finally:
         for host in hosts:
+            if keep_logs is not None:
+                keep_ray_logs(host, keep_logs)
             host.kill()
         for init in inits:
             with contextlib.suppress(ProcessLookupError):

@@ -56,3 +56,17 @@ def test_a_failing_test_leaves_no_namespace_link_or_process():
     assert made and not any(name in netns for name in made["netns"])
     assert not any(veth in links for veth in made["links"])
     assert not any(host.alive() for host in made["hosts"])
+
+
+def test_a_hosts_ray_logs_are_kept_before_the_host_goes(tmp_path):
+    """A Ray session's logs live in the host's private /tmp/ray, gone with the host: make_hosts
+    copies them out first (a session made by hand here: its layout is Ray's, a link
+    session_latest to the session directory)."""
+    made = (
+        "mkdir -p /tmp/ray/session_1/logs && echo controller-log > /tmp/ray/session_1/logs/worker-1.out "
+        "&& ln -s /tmp/ray/session_1 /tmp/ray/session_latest"
+    )
+    with make_hosts(2, keep_logs=tmp_path) as (one, two):
+        one.run("sh", "-c", made)
+    assert (tmp_path / one.address / "worker-1.out").read_text() == "controller-log\n"
+    assert not (tmp_path / two.address).exists()  # no Ray ran there: nothing to keep
