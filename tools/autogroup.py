@@ -5,10 +5,10 @@ serving benchmark's --no-autogroups (bench/serve.py).
 With autogroups on, the scheduler shares each CPU between sessions first and between a session's
 threads second, and nice counts only within a session. What that cost on these machines' 6.18
 kernel:
-- the suite (each lane, each engine a test starts and each Ray node a session): one group's
-  threads waited 10-30 s for a CPU while another group ran; the scheduler's debug view showed the
-  running group's virtual time stand still while its weight changed every tick (its threads on
-  both cores), so the waiting group never became eligible. Through one run, 22 process-samples
+- the suite (each lane and each Ray node a session; each engine a test started was one too, then):
+  one group's threads waited 10-30 s for a CPU while another group ran; the scheduler's debug view
+  showed the running group's virtual time stand still while its weight changed every tick (its
+  threads on both cores), so the waiting group never became eligible. Through one run, 22 process-samples
   waited over 5 s (the longest 31 s); with grouping off none waited over 2.2 s.
 - the benchmark: its load generator, in a session of its own at nice -10, still waited runnable
   up to 0.3 s at a time while the cluster served, and recorded those waits as the servers' gaps

@@ -5,21 +5,15 @@ runs while these tests do."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("test_lanes_tool", REPO / "tools" / "test_lanes.py")
-lanes_tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lanes_tool)
+from tools.test_lanes import threads_scheduled_alone
 
 
 def test_autogrouping_is_off_inside_the_run_and_as_it_was_after_it(tmp_path):
     switch = tmp_path / "sched_autogroup_enabled"
     switch.write_text("1\n")
-    with lanes_tool.threads_scheduled_alone(switch) as done:
+    with threads_scheduled_alone(switch) as done:
         assert switch.read_text() == "0"
         assert "off for this run" in done and str(switch) in done
     assert switch.read_text().strip() == "1"
@@ -28,7 +22,7 @@ def test_autogrouping_is_off_inside_the_run_and_as_it_was_after_it(tmp_path):
 def test_autogrouping_comes_back_when_the_run_fails(tmp_path):
     switch = tmp_path / "sched_autogroup_enabled"
     switch.write_text("1\n")
-    with pytest.raises(RuntimeError), lanes_tool.threads_scheduled_alone(switch):
+    with pytest.raises(RuntimeError), threads_scheduled_alone(switch):
         raise RuntimeError("a lane crashed")
     assert switch.read_text().strip() == "1"
 
@@ -36,9 +30,9 @@ def test_autogrouping_comes_back_when_the_run_fails(tmp_path):
 def test_nothing_changes_where_grouping_is_off_or_absent(tmp_path):
     switch = tmp_path / "sched_autogroup_enabled"
     switch.write_text("0\n")
-    with lanes_tool.threads_scheduled_alone(switch) as done:
+    with threads_scheduled_alone(switch) as done:
         assert done == ""
     assert switch.read_text() == "0\n"
-    with lanes_tool.threads_scheduled_alone(tmp_path / "absent") as done:
+    with threads_scheduled_alone(tmp_path / "absent") as done:
         assert done == ""
     assert not (tmp_path / "absent").exists()
