@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pdcluster.errors import KVTransferError, UntrustedParamsError
@@ -54,6 +53,7 @@ class AheadPulls:
         connection: Callable[[str], Any],
         submit_pull: Callable[[PullSpec], None],
         report_failed: Callable[[str, str, str], None],
+        release: Callable[[KVParams], None],
     ):
         self.engine_id = engine_id
         self._params_key = params_key
@@ -62,6 +62,7 @@ class AheadPulls:
         self._connection = connection  # a gRPC client of an endpoint
         self._submit_pull = submit_pull
         self._report_failed = report_failed  # (request id, error, cause): a failed load for vLLM
+        self._release = release  # an unpulled lease back to its producer (no answer awaited)
         self._lock = threading.Lock()
         self._awaiting: dict[str, tuple[str, PullSpec]] = {}  # request id -> (endpoint, pull)
         self._given_up: set[str] = set()  # never found: load unreported until abandoned
@@ -69,7 +70,6 @@ class AheadPulls:
         self._lookups: set[str] = set()  # endpoints with a lookup thread running
         self._changed: dict[str, threading.Event] = {}  # endpoint -> a key joined its lookup
         self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-lease-lookup")
 
     def add(self, spec: PullSpec) -> None:
         assert spec.awaiting is not None
@@ -87,7 +87,11 @@ class AheadPulls:
                 changed.set()  # the running lookup asks again, with this key
                 return
             self._lookups.add(endpoint)
-        self._pool.submit(self._look_up, endpoint, changed)
+        # A thread per producer awaited, for as long as a request awaits it: a lookup holds its
+        # thread while its producer holds the call, so a bounded pool would leave the requests
+        # of the producers beyond it unlooked-up (and past their deadlines) while others wait.
+        name = f"kv-lease-lookup-{endpoint}"
+        threading.Thread(target=self._look_up, args=(endpoint, changed), name=name, daemon=True).start()
 
     def take_first_tokens(self) -> dict[str, int]:
         with self._lock:
@@ -112,7 +116,6 @@ class AheadPulls:
             self._closed.set()
             for changed in self._changed.values():
                 changed.set()  # held lookups are cancelled
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- lookup threads ------------------------------------------------------------------------
 
@@ -138,7 +141,7 @@ class AheadPulls:
                 found = self._connection(endpoint).handouts(
                     list(waiting), engine_id=self.engine_id, wait_s=hold, timeout_s=self._timeout_s, interrupt=changed
                 )
-            except Exception as exc:  # noqa: BLE001 - runs on the lookup pool: nothing may escape unseen
+            except Exception as exc:  # noqa: BLE001 - runs on a lookup thread: nothing may escape unseen
                 for spec in waiting.values():
                     self._give_up(spec, f"looking its lease up on {endpoint} failed: {type(exc).__name__}: {exc}")
                 continue
@@ -162,9 +165,12 @@ class AheadPulls:
             self._give_up(spec, str(exc))
             return
         with self._lock:
-            if self._awaiting.pop(spec.request_id, None) is None:
-                return  # abandoned meanwhile
-            self._first_tokens[spec.request_id] = token
+            abandoned = self._awaiting.pop(spec.request_id, None) is None
+            if not abandoned:
+                self._first_tokens[spec.request_id] = token
+        if abandoned:  # ended meanwhile: its producer may free the blocks now, not at expiry
+            self._release(lease)
+            return
         offset, count = spec.remote_offset, len(spec.local_block_ids)
         remote = lease.remote_block_ids[offset : offset + count]
         if lease.remote_num_tokens != spec.num_tokens:

@@ -159,6 +159,7 @@ class ConnectorWorker:
                 connection=links.connection,
                 submit_pull=self._submit_pull,
                 report_failed=self._report_failed,
+                release=lambda lease: self._messages.release_later(lease, False),
             )
         if self.tp_size == 1:  # the only rank: the engine core may share our process
             colocated.register_waker(self.waker)

@@ -2,7 +2,8 @@
 lookup until a lease it asks for is filed, a consumer's cancel frees the producer's thread at
 once, held lookups never take more than half the server's threads, and the consumer's lookup
 thread (kv_transfer/ahead.py) asks again at once when another request starts awaiting the same
-producer, instead of waiting out the hold."""
+producer, instead of waiting out the hold; the requests of every producer are looked up however
+many producers hold a lookup, and a lease found for a request that ended meanwhile is released."""
 
 from __future__ import annotations
 
@@ -37,15 +38,20 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)  # poll interval
 
 
-@pytest.fixture
-def served(monkeypatch):
+def serve_one(engine_id: str = "prefill-0"):
     """(producer, server, a handshaken client) with one held lookup allowed (2 server threads)."""
-    monkeypatch.setattr(producer_module, "HANDOUT_WAIT_CAP_S", HOLD_S)
-    producer = KVProducer(make_cache(), "prefill-0", max_chunk_bytes=4096, lease_wait_s=0.5)
+    producer = KVProducer(make_cache(), engine_id, max_chunk_bytes=4096, lease_wait_s=0.5)
     transport = create_transport("grpc", KVTransferSettings(secret=SECRET, max_chunk_bytes=4096, server_threads=2))
     server = transport.serve(producer, "127.0.0.1", 0)
     client = transport.connect(server.address)
     client.handshake(make_cache(fill="zeros").layout, "decode-0")
+    return producer, server, client
+
+
+@pytest.fixture
+def served(monkeypatch):
+    monkeypatch.setattr(producer_module, "HANDOUT_WAIT_CAP_S", HOLD_S)
+    producer, server, client = serve_one()
     yield producer, server, client
     client.close()
     server.stop(0)
@@ -60,10 +66,30 @@ def lookup(client, keys, interrupt=None, out=None) -> threading.Thread:
     return thread
 
 
-def lease(request_id: str, token: int) -> tuple[str, int]:
+def lease(request_id: str, token: int, endpoint: str = "127.0.0.1:1") -> tuple[str, int]:
     """A handout as the producer files it: the signed lease as JSON, the prefill's first token."""
-    params = KVParams("prefill-0", request_id, ("127.0.0.1:1",), (3,), 100, time.time() + 60).signed(PARAMS_KEY)
+    params = KVParams("prefill-0", request_id, (endpoint,), (3,), 100, time.time() + 60).signed(PARAMS_KEY)
     return json.dumps(params.to_dict()), token
+
+
+def awaiting(request_id: str, key: str, endpoint: str = "127.0.0.1:1") -> PullSpec:
+    """A request admitted ahead of its prefill, awaiting the producer at `endpoint`."""
+    voucher = KVParams.from_dict(json.loads(lease("req-v", 1, endpoint)[0]))
+    return PullSpec(request_id, None, (), (5,), awaiting=AwaitParams(key, voucher, time.time() + 600), num_tokens=100)
+
+
+def ahead_pulls(connection, pulls: list, release=lambda lease: None) -> AheadPulls:
+    """The consumer's lookups, dialing the producer each request's voucher names."""
+    return AheadPulls(
+        engine_id="decode-0",
+        params_key=PARAMS_KEY,
+        timeout_s=5,
+        endpoint_for=lambda params: params.remote_endpoints[0],
+        connection=connection,
+        submit_pull=pulls.append,
+        report_failed=lambda *failed: None,
+        release=release,
+    )
 
 
 def test_a_cancelled_lookup_frees_the_producers_thread_and_held_lookups_are_capped(served):
@@ -94,26 +120,11 @@ def test_a_request_that_starts_awaiting_joins_the_held_lookup_at_once(served, mo
     monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S)
     producer, server, client = served
     pulls: list[PullSpec] = []
-    voucher = KVParams.from_dict(json.loads(lease("req-v", 1)[0]))
-    pulls_ahead = AheadPulls(
-        engine_id="decode-0",
-        params_key=PARAMS_KEY,
-        timeout_s=5,
-        endpoint_for=lambda params: server.address,
-        connection=lambda endpoint: client,
-        submit_pull=pulls.append,
-        report_failed=lambda *failed: None,
-    )
-
-    def awaiting(request_id: str, key: str) -> PullSpec:
-        return PullSpec(
-            request_id, None, (), (5,), awaiting=AwaitParams(key, voucher, time.time() + 600), num_tokens=100
-        )
-
+    pulls_ahead = ahead_pulls(lambda endpoint: client, pulls)
     try:
-        pulls_ahead.add(awaiting("r-1", "1" * 32))
+        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
         wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
-        pulls_ahead.add(awaiting("r-2", "2" * 32))
+        pulls_ahead.add(awaiting("r-2", "2" * 32, server.address))
         producer.leases.add("req-2", [3], time.monotonic() + 60, key="2" * 32, handout=lease("req-2", 9))
         wait_until(lambda: len(pulls) == 1, "request 2's lease is found")
         assert pulls[0].request_id == "r-2" and pulls[0].remote_block_ids == (3,)
@@ -122,3 +133,51 @@ def test_a_request_that_starts_awaiting_joins_the_held_lookup_at_once(served, mo
     finally:
         pulls_ahead.shutdown()
     wait_until(lambda: server.lookups_held == 0, "shutting down cancels the held lookup")
+
+
+def test_the_requests_of_every_producer_are_looked_up_while_others_hold_their_lookups(monkeypatch):
+    """Five producers, a request awaiting each; the first four's leases never come (their
+    lookups stay held for a minute). The fifth's lease, filed next, is found: each producer
+    awaited has a lookup of its own (a pool of four threads left the fifth's unasked)."""
+    monkeypatch.setattr(producer_module, "HANDOUT_WAIT_CAP_S", HOLD_S)
+    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S)
+    producers = [serve_one(f"prefill-{i}") for i in range(5)]
+    clients = {server.address: client for _, server, client in producers}
+    pulls: list[PullSpec] = []
+    pulls_ahead = ahead_pulls(clients.__getitem__, pulls)
+    try:
+        for i, (_, server, _) in enumerate(producers[:4]):
+            pulls_ahead.add(awaiting(f"r-{i}", str(i) * 32, server.address))
+            wait_until(lambda server=server: server.lookups_held == 1, f"request {i}'s lookup is held")
+        producer, server, _ = producers[4]
+        pulls_ahead.add(awaiting("r-4", "4" * 32, server.address))
+        producer.leases.add("req-4", [3], time.monotonic() + 60, key="4" * 32, handout=lease("req-4", 9))
+        wait_until(lambda: len(pulls) == 1, "the fifth producer's lease is found")
+        assert pulls[0].request_id == "r-4" and pulls_ahead.take_first_tokens() == {"r-4": 9}
+    finally:
+        pulls_ahead.shutdown()
+        for _, server, client in producers:
+            client.close()
+            server.stop(0)
+
+
+def test_a_lease_found_for_a_request_that_ended_meanwhile_is_released(served, monkeypatch):
+    """The request ends while its lookup is held; its lease, filed next, is still answered to
+    that call: the consumer releases it (the producer frees the blocks now, not at expiry)."""
+    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S)
+    producer, server, client = served
+
+    def release(lease: KVParams) -> None:
+        client.release(lease.remote_request_id, transferred=False, engine_id="decode-0", timeout_s=5)
+
+    pulls: list[PullSpec] = []
+    pulls_ahead = ahead_pulls(lambda endpoint: client, pulls, release)
+    try:
+        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
+        wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
+        pulls_ahead.abandon("r-1")
+        producer.leases.add("req-1", [3], time.monotonic() + 60, key="1" * 32, handout=lease("req-1", 9))
+        wait_until(lambda: len(producer.leases) == 0, "the lease of the ended request is released")
+        assert pulls == [] and pulls_ahead.take_first_tokens() == {}
+    finally:
+        pulls_ahead.shutdown()
