@@ -275,8 +275,9 @@ class RouterMetrics:
         self.routes = Counter(
             "pdcluster_route_decisions",
             "Disaggregated requests by path: prefill then decode (pd), decode alone (decode: several "
-            "choices, or no prefill replica ready), or decode computing the few tokens its cache lacks "
-            "(local_prefill), or decode computing the prompt because prefill's queue is long (local_queue)",
+            "choices or prompts, or no prefill replica ready), or decode computing the few tokens its "
+            "cache lacks (local_prefill), or decode computing the prompt because prefill's queue is long "
+            "(local_queue)",
             ["path"],
             registry=r,
         )

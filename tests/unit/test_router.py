@@ -56,8 +56,16 @@ async def _post_raw(router: Router, content: bytes) -> httpx.Response:
         (b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
         (b'{"model": "tiny", "prompt": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}", "nests deeper"),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "not usable JSON"),
-        (b'{"model": "tiny", "prompt": "x", "n": 1e400}', "'n' must be an integer"),
+        (b'{"model": "tiny", "prompt": "x", "n": 1e400}', "1e400 is out of range"),
         (b'{"model": "tiny", "prompt": "x", "n": 0}', "'n' must be an integer"),
+        # What Python's JSON reads but no engine request may carry (httpx refuses to send it on)
+        (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "NaN is not a JSON number"),
+        (b'{"model": "tiny", "prompt": "x", "top_p": -Infinity}', "-Infinity is not a JSON number"),
+        (b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', "1e999 is out of range"),
+        # Fields the router itself reads on the P/D path (the first token from the prefill)
+        (b'{"model": "tiny", "prompt": "x", "stream": true, "min_tokens": "3"}', "'min_tokens' must be"),
+        (b'{"model": "tiny", "prompt": "x", "min_tokens": 10, "max_tokens": 5}', "must not exceed the output limit"),
+        (b'{"model": "tiny", "prompt": "x", "stream": true, "stream_options": true}', "'stream_options' must be"),
     ],
 )
 def test_deep_nesting_and_huge_numbers_are_400_not_500(content, needle):
@@ -65,6 +73,24 @@ def test_deep_nesting_and_huge_numbers_are_400_not_500(content, needle):
     response = asyncio.run(_post_raw(router, content))
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"), [("GET", "/v1/completions", 405), ("POST", "/v1/embeddings", 404)]
+)
+def test_an_unknown_path_or_method_is_an_openai_style_error(method, path, status):
+    async def call() -> httpx.Response:
+        url = await router.start("127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                return await client.request(method, path, json={"model": "tiny"})
+        finally:
+            await router.stop()
+
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    response = asyncio.run(call())
+    assert response.status_code == status
+    assert response.json()["error"]["message"].endswith(f"({method} {path})"), response.text
 
 
 def test_aggregated_replicas_unreachable_gives_503():

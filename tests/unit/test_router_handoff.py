@@ -99,6 +99,23 @@ def test_several_choices_are_computed_by_decode_alone(serve):
     assert sent.body["n"] == 3 and "kv_transfer_params" not in sent.body
 
 
+@pytest.mark.parametrize("prompt", [["def f():", "def g():"], [[11, 12], [13, 14]]], ids=["texts", "token-ids"])
+def test_several_prompts_are_computed_by_decode_alone(serve, prompt):
+    """A batch of prompts: vLLM answers it with the first prompt's lease only, so decode computes
+    every prompt itself; no prefill is asked. (One prompt as token ids is one prompt.)"""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+
+    async def choices(call, out):
+        await out.json({"id": "cmpl-d", "choices": [{"index": i, "text": f"c{i}"} for i in range(2)]})
+
+    prefill, decode = StandIn(prefill_answer()), StandIn(choices)
+    response, _ = serve(router, {"prefill-0": prefill, "decode-0": decode}, {**COMPLETION, "prompt": prompt}, [])
+    assert response.status_code == 200 and prefill.calls == []
+    [sent] = decode.posts()
+    assert sent.body["prompt"] == prompt and "kv_transfer_params" not in sent.body
+    assert metric(router, 'pdcluster_route_decisions_total{path="decode"}') == 1
+
+
 def test_min_tokens_reach_decode_and_the_prefill_gets_what_its_one_token_allows(serve):
     router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
     prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from pdcluster.addresses import binds_every_address, node_ip
 from pdcluster.errors import ConfigError, NoReplicaError, PDClusterError
@@ -155,6 +156,18 @@ class Router:
         # A plain ASGI middleware: Starlette's @app.middleware("http") passes every chunk of a
         # streamed response through a memory stream and a second task.
         app.add_middleware(_ApiKeyGuard, router=self)
+
+        # Every answer the router gives is OpenAI-style JSON: an unknown path or method too, and
+        # a failure of the router itself (its own bug: logged with the traceback).
+        @app.exception_handler(HTTPException)
+        async def http_error(request: Request, exc: HTTPException):
+            message = f"{exc.detail} ({request.method} {request.url.path})"
+            return error_response(exc.status_code, message, "invalid_request_error")
+
+        @app.exception_handler(Exception)
+        async def router_error(request: Request, exc: Exception):
+            logger.error("router: %s %s failed", request.method, request.url.path, exc_info=exc)
+            return error_response(500, f"internal router error: {type(exc).__name__}", "internal_error")
 
         @app.get("/health")
         async def health():

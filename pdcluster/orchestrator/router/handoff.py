@@ -65,7 +65,7 @@ from pdcluster.orchestrator.router.relay import (
     has_token,
     mid_stream_error,
 )
-from pdcluster.orchestrator.router.requests import error_response
+from pdcluster.orchestrator.router.requests import error_response, prompt_count
 from pdcluster.orchestrator.router.settings import ENDPOINTS, RouterSettings
 from pdcluster.orchestrator.router.upstream import PhaseFailed, ReachedThenFailed, outcome_for, post
 
@@ -89,7 +89,7 @@ class Handoff:
     prompt: Prompt | None = None  # token ids and block hashes (cache-aware routing)
     cached: dict[str, int] = field(default_factory=dict)  # replica -> prompt tokens its cache held when chosen
     continuing: bool = False  # may take its first token from the prefill (continuation.py)
-    local: bool = False  # decode computes the prompt itself (several choices): no prefill
+    local: bool = False  # decode computes the prompt itself (several choices or prompts): no prefill
     deadline: float = float("inf")  # perf_counter() time the whole request must end by
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # sent as X-Request-Id
     prefill: ReplicaLoad | None = None  # the prefill replica of the latest pass
@@ -176,9 +176,11 @@ class PhaseRunner:
             and self.settings.first_token_from_prefill
             and continuation.continuable(body, kind, self.settings.generation_defaults)
         )
-        # Decode computes the prompt itself for several choices (one lease serves one pull), and
-        # when no prefill replica is ready (scaled to 0, or all dead): served, not refused.
-        local = self.settings.disaggregated and ((body.get("n") or 1) > 1 or not self._prefill_ready())
+        # Decode computes the prompt itself for several choices or prompts (one lease serves one
+        # pull, and vLLM answers a batch of prompts with the first one's lease only), and when no
+        # prefill replica is ready (scaled to 0, or all dead): served, not refused.
+        several = (body.get("n") or 1) > 1 or prompt_count(body, kind) > 1
+        local = self.settings.disaggregated and (several or not self._prefill_ready())
         deadline = started + self.settings.request_timeout_s
         return Handoff(
             body,
@@ -225,7 +227,7 @@ class PhaseRunner:
     def _route(self, h: Handoff) -> None:
         """Decide a disaggregated request's path once its decode replica is chosen, and count it:
         `pd` (prefill, then decode pulls the KV), `decode` (decode computes the prompt: several
-        choices, or no prefill ready) or `local_prefill` (conditional disaggregation: the decode
+        choices or prompts, or no prefill ready) or `local_prefill` (conditional disaggregation: the decode
         replica holds all but at most router.local_prefill_max_tokens of the prompt, or the
         prompt is that short, so it computes the rest itself: no prefill hop, no transfer), or
         `local_queue` (the same for a prompt of at most router.local_prefill_queue_tokens tokens

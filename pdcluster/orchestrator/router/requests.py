@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import Any
 
 from fastapi import Request
@@ -68,7 +69,7 @@ async def read_body(request: Request, limit: int) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise BadRequest("Request body is not valid UTF-8.") from None
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
     except json.JSONDecodeError as exc:
         raise BadRequest(
             f"Request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
@@ -82,6 +83,26 @@ async def read_body(request: Request, limit: int) -> dict[str, Any]:
     if _depth(body) > MAX_JSON_DEPTH:
         raise BadRequest(f"Request body nests deeper than {MAX_JSON_DEPTH} levels.")
     return body
+
+
+def _not_a_number(token: str) -> float:
+    """NaN and Infinity: Python's JSON reads them, no engine request may carry them."""
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def _finite(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {token[:20]} is out of range")
+    return value
+
+
+def prompt_count(body: dict[str, Any], kind: str) -> int:
+    """How many prompts the request holds: a completion's prompt may be a list of them."""
+    prompt = body.get("prompt") if kind == "completions" else None
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return 1
 
 
 def _depth(value: Any) -> int:
@@ -126,6 +147,17 @@ def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
             raise BadRequest(
                 f"'{key}' ({value}) exceeds the model's context length ({settings.max_model_len}).", param=key
             )
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise BadRequest("'min_tokens' must be a non-negative integer.", param="min_tokens")
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if limit is not None and min_tokens > limit:
+            raise BadRequest(
+                f"'min_tokens' ({min_tokens}) must not exceed the output limit ({limit}).", param="min_tokens"
+            )
+    if not isinstance(body.get("stream_options") or {}, dict):
+        raise BadRequest("'stream_options' must be an object.", param="stream_options")
     if "kv_transfer_params" in body:
         raise BadRequest("'kv_transfer_params' is set by the router, not by clients.", param="kv_transfer_params")
     if kind == "completions":

@@ -83,6 +83,26 @@ def test_decode_sent_ahead_streams_what_the_aggregated_engine_says(engines):
     assert all(count == 0 for count in inflight.values())
 
 
+def test_a_batch_of_prompts_gets_each_prompts_own_answer(engines):
+    """A completion of several prompts: vLLM answers such a batch with its first prompt's lease
+    only, which once reached every prompt's pull on decode (the second prompt continued from the
+    first one's KV). Each choice is what the aggregated engine answers for its prompt alone."""
+    prompts = [token_prompt(90, offset=7000), token_prompt(150, offset=7400)]
+    expected = [complete(engines["agg"], p, 10).json()["choices"][0]["text"] for p in prompts]
+    replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
+
+    async def requests(client):
+        body = {"model": NAME, "prompt": prompts, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return [c["text"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+    texts, metrics, inflight = through_router(engines, replicas, requests)
+    assert texts == expected
+    assert 'pdcluster_route_decisions_total{path="decode"} 1.0' in metrics  # no prefill, no lease
+    assert all(count == 0 for count in inflight.values())
+
+
 def test_fail_policy_through_the_router_gives_clear_errors_and_abandoned_leases_expire(engines):
     """The router in front of the prefill and a decode whose every pull fails (a layout mismatch,
     failure policy `fail`), half of the requests abandoned between prefill and decode (injected:
