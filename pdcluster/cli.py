@@ -63,10 +63,17 @@ def _ray_disconnect() -> None:
     sys.stdout, _command_stdout = _command_stdout, None
 
 
+class _Parser(argparse.ArgumentParser):
+    """An invalid argument is one line, as every bad input is (argparse prints its usage first);
+    its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdcluster", description="Disaggregated prefill/decode serving on Ray + vLLM."
-    )
+    parser = _Parser(prog="pdcluster", description="Disaggregated prefill/decode serving on Ray + vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="launch a cluster from a YAML file")
@@ -200,7 +207,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         session.endpoint = _get(controller.start.remote())
         session.save()
-        if not _await_ready(controller, args.timeout):
+        # The roles configured with replicas: a disaggregated cluster's decode may serve alone
+        needed = {role for role in config.serving_roles() if config.role(role).replicas > 0}
+        if not _await_ready(controller, args.timeout, needed):
             raise PDClusterError("cluster did not become ready; see the replica errors above")
     except BaseException:
         _teardown(session, controller_started=controller is not None)
@@ -221,7 +230,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _await_ready(controller, timeout_s: float) -> bool:
+def _await_ready(controller, timeout_s: float, needed: set[str]) -> bool:
     """Await readiness, showing each replica's stage as it changes."""
     import ray
 
@@ -238,7 +247,6 @@ def _await_ready(controller, timeout_s: float) -> bool:
                 out(f"  [{time.monotonic() - started:5.1f}s] {row['replica']:<14} {label}")
         if ready:
             serving = {r["role"] for r in status["replicas"] if r["state"] == "ready"}
-            needed = {"prefill", "decode"} if status["mode"] == "disaggregated" else {"aggregated"}
             return needed <= serving
         if time.monotonic() > deadline:
             return False
@@ -359,8 +367,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
         notice(f"{args.role}: cannot place a replica now: {result['unplaced']} (added once a node fits)")
     if args.wait:
         deadline = time.monotonic() + args.timeout
+        change = False  # the first look at once; then each after the replica table changes
         while True:
-            ray.get(controller.wait_ready.remote(2.0))
+            ray.get(controller.wait_ready.remote(2.0, change))
+            change = True
             rows = [r for r in ray.get(controller.status.remote())["replicas"] if r["role"] == args.role]
             settled = (
                 all(r["state"] in ("ready", "dead") for r in rows)

@@ -377,7 +377,12 @@ class ClusterConfig(_Model):
                         f"roles.decode.engine_args.{key}: must equal roles.prefill.engine_args.{key} "
                         f"for the KV handoff (prefill {p.get(key)!r}, decode {d.get(key)!r})"
                     )
-        elif self.roles.aggregated.replicas == 0 and self.roles.prefill.replicas == 0:
+            if self.roles.decode.replicas == 0:
+                raise ValueError(
+                    "roles.decode.replicas: disaggregated mode needs ≥ 1 decode replica "
+                    "(prefill may be 0: decode then computes every prompt)"
+                )
+        elif self.roles.aggregated.replicas == 0:
             raise ValueError("roles.aggregated.replicas: aggregated mode needs ≥ 1 replica")
         if self.autoscale.enabled:
             if self.mode != "disaggregated":

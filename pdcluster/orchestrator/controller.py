@@ -371,13 +371,15 @@ class Controller:
             logger.error("cannot place %s replicas: %s (waiting for a node that fits)", role, problem)
         return False
 
-    async def wait_ready(self, timeout_s: float) -> bool:
-        """True once every replica started (ready or dead) and the router can serve."""
+    async def wait_ready(self, timeout_s: float, change: bool = False) -> bool:
+        """True once every replica started (ready or dead) and the router can serve; with `change`
+        not before the replica table next changes either (`scale --wait` while a replica drains)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            starting = [r for pool in self.pools.values() for r in pool if r.state == ReplicaState.STARTING]
-            if not starting:
+            starting = any(r.state == ReplicaState.STARTING for pool in self.pools.values() for r in pool)
+            if not starting and not change:
                 return True
+            change = False
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False

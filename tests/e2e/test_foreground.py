@@ -34,12 +34,13 @@ def read_until(proc: subprocess.Popen, needle: str, timeout_s: float) -> str:
 
 
 def test_down_from_another_shell_ends_a_foreground_up_with_exit_0(tmp_path):
+    """Also: a disaggregated cluster of decode replicas alone (`roles.prefill.replicas: 0`, decode
+    computes every prompt) is ready once its decode is (`up` once waited for a prefill too)."""
     name = "e2e-foreground"
     config = write_config(
         tmp_path / "cluster.yaml",
         name=name,
-        mode="aggregated",
-        roles={"aggregated": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 0}},
+        roles={"aggregated": {"replicas": 0}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
     )
     env = dict(os.environ, PDCLUSTER_HOME=str(tmp_path))
     require_clusters_lane()

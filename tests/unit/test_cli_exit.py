@@ -37,3 +37,19 @@ def test_a_failing_command_keeps_its_exit_status_and_one_line(tmp_path):
     )
     assert done.returncode == EXIT_BAD_INPUT
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1 and "missing.yaml" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["scale", "decode", "two"], "pdcluster scale: argument replicas: invalid int value: 'two'"),
+        (["scale", "router", "2"], "pdcluster scale: argument role: invalid choice: 'router'"),
+        (["launch"], "pdcluster: argument command: invalid choice: 'launch'"),
+        ([], "pdcluster: the following arguments are required: command"),
+    ],
+)
+def test_an_invalid_argument_is_one_line_and_exit_2(args, needle):
+    done = subprocess.run([sys.executable, "-m", "pdcluster.cli", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_BAD_INPUT
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(needle) and "--help" in done.stderr, done.stderr

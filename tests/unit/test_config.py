@@ -59,6 +59,14 @@ def test_shipped_configs_are_valid(name):
         ({**BASE, "roles": {"decode": {"cpu_bind_scope": "node"}}}, "roles.decode.cpu_bind_scope: Input should be"),
         ({"mode": "aggregated"}, "model: required"),
         (
+            {**BASE, "mode": "aggregated", "roles": {"aggregated": {"replicas": 0}}},
+            "roles.aggregated.replicas: aggregated mode needs ≥ 1 replica",
+        ),
+        (
+            {**BASE, "roles": {"prefill": {"replicas": 0}, "decode": {"replicas": 0}}},
+            "roles.decode.replicas: disaggregated mode needs ≥ 1 decode replica",
+        ),
+        (
             {**BASE, "roles": {"decode": {"placement": {"labels": {"pool": "in(a,b)"}}}}},
             "roles.decode.placement.labels: 'pool: in(a,b)' is not a Ray label value",
         ),
