@@ -17,6 +17,7 @@ from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
+from pdcluster.kv_transfer.transports.collective import CollectiveExtension
 from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
 from pdcluster.kv_transfer.transports.shm_server import ShmExtension
 from tests.unit.kv_fixtures import make_cache
@@ -42,9 +43,27 @@ def settings(**overrides) -> KVTransferSettings:
 PLAIN = ("grpc", "shm", "collective")  # what a producer bound to loopback offers on auto
 
 
+def _without_done(pull):
+    """A collective producer that breaks the protocol: every message of a pull but its last."""
+
+    def pull_without_done(self, request, session, context):
+        for message in pull(self, request, session, context):
+            if not message.done:
+                yield message
+
+    return pull_without_done
+
+
 def producer_main(
-    conn, overrides: dict, backends: tuple[str, ...] = PLAIN, port: int = 0, strided: bool = False
+    conn,
+    overrides: dict,
+    backends: tuple[str, ...] = PLAIN,
+    port: int = 0,
+    strided: bool = False,
+    collective_without_done: bool = False,
 ) -> None:
+    if collective_without_done:
+        CollectiveExtension._pull = _without_done(CollectiveExtension._pull)
     cache = make_cache(seed=7, strided=strided)
     served = settings(**overrides)
     producer = KVProducer(
@@ -68,14 +87,20 @@ def producer_main(
 
 @contextlib.contextmanager
 def running_producer(
-    backends: tuple[str, ...] = PLAIN, port: int = 0, strided: bool = False, **overrides
+    backends: tuple[str, ...] = PLAIN,
+    port: int = 0,
+    strided: bool = False,
+    collective_without_done: bool = False,
+    **overrides,
 ) -> Iterator[tuple[str, object]]:
     """(the producer's address, a pipe to ask it "segments", "released" or "pushes"); `overrides`:
     its KV settings (fault injection); `backends`: what its server offers; `port`: its port (0:
-    any free one); `strided`: its cache's layers are not contiguous rows (make_cache)."""
+    any free one); `strided`: its cache's layers are not contiguous rows (make_cache);
+    `collective_without_done`: its collective pulls end without their last message."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, overrides, backends, port, strided))
+    args = (child, overrides, backends, port, strided, collective_without_done)
+    proc = ctx.Process(target=producer_main, args=args)
     proc.start()
     while not parent.poll(0.1):  # its address, once it serves; a producer that died says nothing
         assert proc.is_alive(), f"the producer process exited with {proc.exitcode} before serving"

@@ -373,7 +373,9 @@ class CollectiveClient(GrpcClient):
                     )
                 received = recv_chunks(group, self.device, plan, self._tag, self._buffers, sink)
                 done = next(call, None)
-                if done is None or not done.done or done.bytes_sent != received:
+                if done is None or not done.done:
+                    raise KVTransferError(f"producer {self.endpoint} ended the pull before saying it was done")
+                if done.bytes_sent != received:
                     raise KVTransferError(f"producer {self.endpoint} sent {done.bytes_sent} bytes, received {received}")
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:
