@@ -3,10 +3,12 @@ producer and consumer in two processes: byte-exact pulls read in place and stage
 layers are not contiguous rows takes the staged read a device cache takes:
 tools/kv_mooncake_device_check.py runs it on CUDA), one descriptor per run of blocks, a producer
 without Mooncake named with both sides, a stalled producer and a failing read are failed loads,
-the producer holds the lease for the whole read, and short runs of blocks are read staged."""
+the producer holds the lease for the whole read, short runs of blocks are read staged, and a read
+past its deadline is reported only once Mooncake ended it."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -19,7 +21,9 @@ from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.mooncake import in_place, mean_run_bytes
 from pdcluster.kv_transfer.transports.mooncake_engine import (
+    BATCH_PENDING,
     MAX_BATCH,
+    MooncakeEngine,
     build,
     descriptors,
     engine_for,
@@ -279,3 +283,38 @@ def test_a_pull_of_more_ranges_than_mooncake_queues_per_peer_is_read_in_batches(
     assert len(remote_ids) * len(source.tensors) > MAX_BATCH
     for src, dst in zip(source.tensors, consumer.tensors):
         assert torch.equal(dst[local_ids], src[remote_ids])
+
+
+class EndingLate:
+    """Mooncake's transfer engine as it behaves when a peer stalls mid-read (which loopback here
+    cannot show: a stopped peer's bytes are still read): the batch stays pending until the engine
+    ends it, failed, `pending_s` after its start (its own transfer timeout)."""
+
+    def __init__(self, pending_s: float):
+        self.pending_s, self.started, self.polls_after_end = pending_s, 0.0, 0
+
+    def batch_transfer_async_read(self, session, local, remote, lengths):
+        self.started = time.monotonic()
+        return 1
+
+    def get_batch_transfer_status(self, batches):
+        if time.monotonic() < self.started + self.pending_s:
+            return BATCH_PENDING
+        self.polls_after_end += 1
+        return -1
+
+    def ended(self) -> bool:
+        return self.polls_after_end > 0
+
+
+def test_a_read_past_its_deadline_is_reported_only_once_mooncake_ended_it():
+    """The deadline passes (and a grace period more) with the read in flight; Mooncake ends it
+    later, by its own timeout. The read fails only then: its failure frees the consumer's blocks
+    for vLLM (or a landing buffer) to reuse, which a read given up on in flight could still write
+    (it was given up a grace period after the deadline)."""
+    engine = MooncakeEngine.__new__(MooncakeEngine)  # its batching and waiting, on the stand-in
+    engine.engine, engine.transfer_timeout_s = EndingLate(pending_s=1.0), 2.0
+    engine._lock, engine._peers = threading.Lock(), {}
+    with pytest.raises(KVTransferError, match="failed"):
+        engine.read("peer:1", [1], [2], [3], deadline=time.monotonic() + 0.1, grace_s=0.3)
+    assert engine.engine.ended()

@@ -73,11 +73,11 @@ def unavailable() -> str | None:
     return None
 
 
-def _configure(settings: KVTransferSettings) -> None:
+def _configure(settings: KVTransferSettings) -> float:
     """Mooncake reads its settings from the environment when `mooncake.engine` is imported: its
     transfers bounded by the pull timeout (seconds), its log at warnings. An operator's own MC_*
     values win. (Its ports stay its own: it refuses ranges inside the kernel's ephemeral one,
-    where the KV port range lies by default.)"""
+    where the KV port range lies by default.) Returns the transfer timeout it runs with."""
     wanted = {
         "MC_TRANSFER_TIMEOUT": str(math.ceil(settings.pull_timeout_seconds)),
         "MC_LOG_LEVEL": "WARNING",
@@ -85,13 +85,17 @@ def _configure(settings: KVTransferSettings) -> None:
     }
     for name, value in wanted.items():
         os.environ.setdefault(name, value)
+    try:
+        return float(os.environ["MC_TRANSFER_TIMEOUT"])
+    except ValueError:
+        return float(wanted["MC_TRANSFER_TIMEOUT"])
 
 
 class MooncakeEngine:
     """One transfer engine of this process, the regions it registered, and batched reads."""
 
     def __init__(self, host: str, settings: KVTransferSettings):
-        _configure(settings)
+        self.transfer_timeout_s = _configure(settings)  # Mooncake ends a transfer this long after it began
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -143,7 +147,9 @@ class MooncakeEngine:
     ) -> None:
         """Read each remote range of `session` into the local one at the same index, at most
         MAX_BATCH ranges in flight to that peer (from any thread); raises on failure or past
-        `deadline`, but only once the batch in flight ended (or `grace_s` after it)."""
+        `deadline`, but only once the batch in flight ended: its bytes may land until then, into
+        memory the caller reuses once this raises. A batch Mooncake has not ended by its own
+        transfer timeout (counted from its start) and `grace_s` more is given up on."""
         with self._lock:
             peer = self._peers.setdefault(session, threading.Lock())
         with peer:
@@ -154,17 +160,21 @@ class MooncakeEngine:
     def _read_batch(
         self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
     ) -> None:
+        started = time.monotonic()
         batch = self.engine.batch_transfer_async_read(session, local, remote, lengths)
         if not batch:
             raise KVTransferError(f"Mooncake could not start a read from {session}")
+        # Past the deadline the batch is still awaited, until Mooncake ends it (failed, by its own
+        # timeout at the latest): a read given up on earlier could still write its bytes later.
+        give_up = max(deadline, started + self.transfer_timeout_s) + grace_s
         wait, late = POLL_S[0], None
         while (status := self.engine.get_batch_transfer_status([batch])) == BATCH_PENDING:
             now = time.monotonic()
             if late is None and now > deadline:
                 late = now
-            if late is not None and now > late + grace_s:
+            if now > give_up:
                 raise TransferTimeoutError(
-                    f"Mooncake read from {session} still running {grace_s:.0f} s past its deadline"
+                    f"Mooncake read from {session} still running {now - deadline:.0f} s past its deadline"
                 )
             time.sleep(wait)  # poll interval: the engine's status has no blocking wait
             wait = min(wait * 2, POLL_S[1])
