@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pdcluster.kv_transfer.transports.base import TransportClient
 logger = logging.getLogger(__name__)
 
 RENEWALS_PER_LEASE = 6  # a lease is renewed every sixth of its duration
+RELEASED_KEPT = 4096  # leases this consumer released, remembered so that none is pulled again
 LATE_WARNING = 2  # renewals this many periods late say so (the process did not run)
 
 
@@ -69,6 +71,7 @@ class LeaseMessages:
         self._renewals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-lease-renewals")
         self._cond = threading.Condition()
         self._held: dict[tuple[str, str], _Held] = {}  # (producer engine, its request id) -> lease
+        self._released: OrderedDict[tuple[str, str], None] = OrderedDict()  # the latest RELEASED_KEPT
         self._closed = False
         self._keeper = threading.Thread(target=self._keep, name="kv-lease-keeper", daemon=True)
         self._keeper.start()
@@ -99,6 +102,12 @@ class LeaseMessages:
             held = self._held.get(_key(lease))
             return held.until if held is not None else 0.0
 
+    def released(self, lease: KVParams) -> bool:
+        """Did this consumer release `lease` (after a pull of it, or a failed one)? Its blocks may
+        be another request's by now: a one-sided read would not know."""
+        with self._cond:
+            return _key(lease) in self._released
+
     def drop(self, lease: KVParams) -> None:
         """No more renewals for `lease`."""
         with self._cond:
@@ -109,6 +118,10 @@ class LeaseMessages:
         not wait for the producer's answer. A release never sent (the worker is shutting down) is
         ended by the lease's expiry."""
         self.drop(lease)
+        with self._cond:
+            self._released[_key(lease)] = None
+            while len(self._released) > RELEASED_KEPT:
+                self._released.popitem(last=False)
         try:
             self._pool.submit(self._release, lease, transferred)
         except RuntimeError:  # the pool was shut down

@@ -379,6 +379,10 @@ class ConnectorWorker:
                 raise LeaseExpiredError(
                     f"KV lease of {spec.remote.remote_request_id} expired {ago:.1f} s ago: not pulled"
                 )
+            if self._messages.released(spec.remote):
+                # Pulled (or failed) for another request here and let go: a request sent ahead of
+                # its prefill and dropped by the router shares its lease with the one sent after
+                raise LeaseExpiredError(f"KV lease of {spec.remote.remote_request_id} was released here: not pulled")
             client, _ = self._producer_client(spec.remote, endpoint)  # a layout mismatch fails here
             if len(spec.local_block_ids) != len(spec.remote_block_ids) or not spec.local_block_ids:
                 raise KVTransferError(

@@ -189,6 +189,26 @@ def test_params_no_producer_signed_are_refused_as_such_even_past_their_expiry(co
     assert consumer.take_stats().data["pull_failures"] == {"untrusted_params": 1}
 
 
+def test_a_lease_released_here_is_never_pulled_again(consumer):
+    """A lease this consumer pulled and let go is not pulled again for another request (a request
+    sent ahead of its prefill and dropped by the router shares its lease with the one sent after
+    it): its blocks may be another request's by then, which a one-sided read (shm) would not
+    notice. The second pull fails as a lease over, without dialing the producer (stopped here:
+    dialed, it would fail as unreachable)."""
+    source = KVProducer(make_cache(seed=3), "prefill-0", max_chunk_bytes=4096, lease_wait_s=1)
+    server = create_transport("grpc", SETTINGS).serve(source, "127.0.0.1", 0)
+    source.leases.add("req-1", [4, 5], time.monotonic() + 600)
+    held = lease(server.address)
+    try:
+        assert outcome(consumer, PullSpec("d-1", held, (4, 5), (0, 1))) == "ok"
+        assert released(source) == ["req-1"]
+    finally:
+        server.stop(0)
+    consumer.take_stats()
+    assert outcome(consumer, PullSpec("d-2", held, (4, 5), (2, 3))) == "failed"
+    assert consumer.take_stats().data["pull_failures"] == {"lease_expired": 1}
+
+
 def test_queued_leases_are_renewed_without_engine_steps_until_released(producer, consumer):
     """The scheduler names a queued request's lease once; the worker renews it on its own clock
     every sixth of the producer's lease (2 s here, this consumer's setting 30 s) while the engine

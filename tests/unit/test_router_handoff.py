@@ -416,8 +416,10 @@ def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what
     """router.decode_ahead: once a prefill replica's lease vouches for it, the continuation leaves
     with the prefill request, over the prompt ids the router knows, with the key the prefill files
     its lease under. It is streamed when the prefill's answer shows those ids; when the prefill
-    computed other ids it is dropped, and the continuation after the prefill's first token goes
-    instead (the stand-in prefill always answers PROMPT_IDS)."""
+    computed other ids it is dropped, and the request is prefilled again, with no continuation
+    ahead: the dropped one's decode engine may have pulled and released the lease filed under its
+    key, so the continuation after the prefill's first token carries the fresh lease (3), never
+    that one (2). (The stand-in prefill always answers PROMPT_IDS.)"""
     router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, decode_ahead=True))
     decode = StandIn(decode_answer)
     response, lines, prefill = sent_ahead(router, decode, prompt)
@@ -428,8 +430,10 @@ def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what
     ahead = [c.body for c in sent if kvp.AWAIT in c.body["kv_transfer_params"]]
     assert [(b["prompt"], b["kv_transfer_params"][kvp.AWAIT]["key"]) for b in ahead] == [(prompt, key)]
     after = [c.body for c in sent if kvp.AWAIT not in c.body["kv_transfer_params"]]
-    assert [(b["prompt"], lease_of(b)) for b in after] == ([] if outcome == "streamed" else [([*PROMPT_IDS, 42], 2)])
+    assert [(b["prompt"], lease_of(b)) for b in after] == ([] if outcome == "streamed" else [([*PROMPT_IDS, 42], 3)])
     assert metric(router, f'pdcluster_decode_ahead_total{{outcome="{outcome}"}}') == 1
+    assert len(prefill.posts()) == (2 if outcome == "streamed" else 3)
+    assert all(kvp.LEASE_KEY not in p.body["kv_transfer_params"] for p in prefill.posts()[2:])  # none ahead
 
 
 def test_a_continuation_sent_ahead_that_gets_no_kv_is_replaced_by_the_one_after_the_prefill():

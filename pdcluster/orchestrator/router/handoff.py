@@ -90,6 +90,7 @@ class Handoff:
     cached: dict[str, int] = field(default_factory=dict)  # replica -> prompt tokens its cache held when chosen
     continuing: bool = False  # may take its first token from the prefill (continuation.py)
     local: bool = False  # decode computes the prompt itself (several choices or prompts): no prefill
+    ahead_dropped: bool = False  # a continuation sent ahead was dropped: none is sent again
     deadline: float = float("inf")  # perf_counter() time the whole request must end by
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # sent as X-Request-Id
     prefill: ReplicaLoad | None = None  # the prefill replica of the latest pass
@@ -168,7 +169,7 @@ class PhaseRunner:
 
     def wants_prompt_ids(self, h: Handoff) -> bool:
         """Does this request's path need its prompt's token ids (a continuation sent ahead)?"""
-        return self.settings.decode_ahead and h.continuing
+        return self.settings.decode_ahead and h.continuing and not h.ahead_dropped
 
     def handoff(self, body: dict[str, Any], kind: str, started: float) -> Handoff:
         continuing = (
@@ -218,6 +219,8 @@ class PhaseRunner:
                 needs_prefill = self.settings.disaggregated and not h.local and h.params is None
                 if needs_prefill and (early := await self._prefill_or_alone(h)) is not None:
                     return early
+                if needs_prefill and not h.local and h.params is None:
+                    continue  # its lease went with a continuation sent ahead and dropped
                 if h.first is not None:
                     return self._continuation(h)
                 return await self._deliver(h)
@@ -334,6 +337,12 @@ class PhaseRunner:
         self._vouchers.learn(prefill.replica_id, lease)
         if ahead is not None and ahead.matches(h.first, lease):
             h.ahead = ahead
+        elif ahead is not None:
+            # Filed under the dropped continuation's key, this lease may be pulled and released by
+            # now (its decode engine looks it up as it is filed): prefilled again, for a fresh one
+            # (a prefix-cache hit on the prefill), without a continuation ahead.
+            h.params, h.first, h.ahead_dropped = None, None, True
+            return None
         self.metrics.first_token_source.labels("prefill" if h.first is not None else "decode").inc()
         return None
 

@@ -83,6 +83,37 @@ def test_decode_sent_ahead_streams_what_the_aggregated_engine_says(engines):
     assert all(count == 0 for count in inflight.values())
 
 
+def test_a_dropped_continuation_sent_ahead_leaves_its_lease_to_a_fresh_prefill(engines):
+    """router.decode_ahead, a stream whose first token is a stop token: the prefill's answer ends
+    there, so the continuation sent ahead is dropped, and its decode engine may have pulled and
+    released the lease filed under its key by then. The request is prefilled again for a fresh
+    lease: no pull fails on decode (the request after the drop once carried the released lease),
+    and the answer is the aggregated engine's."""
+    voucher, prompt = token_prompt(70, offset=9000), token_prompt(110, offset=9400)
+    first = complete(engines["agg"], prompt, 1, return_token_ids=True).json()["choices"][0]["token_ids"][0]
+    stop = {"stop_token_ids": [first]}
+    expected = complete(engines["agg"], prompt, 10, **stop).json()["choices"][0]
+    replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
+    failed_before = info(engines["decode"])["stats"]["kv_pulls_failed"]
+
+    async def requests(client):
+        texts = []
+        for prompt_ids, extra in ((voucher, {}), (prompt, stop)):
+            body = {"model": NAME, "prompt": prompt_ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            async with client.stream("POST", "/v1/completions", json={**body, **extra, "stream": True}) as response:
+                assert response.status_code == 200
+                events = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
+            texts.append(("".join(c["text"] for e in events for c in e["choices"]), events[-1]["choices"][0]))
+        return texts
+
+    texts, metrics, inflight = through_router(engines, replicas, requests, decode_ahead=True)
+    text, last = texts[1]
+    assert (text, last["finish_reason"]) == (expected["text"], expected["finish_reason"]) == ("", "stop")
+    assert 'pdcluster_decode_ahead_total{outcome="dropped"} 1.0' in metrics
+    assert info(engines["decode"])["stats"]["kv_pulls_failed"] == failed_before
+    assert all(count == 0 for count in inflight.values())
+
+
 def test_a_batch_of_prompts_gets_each_prompts_own_answer(engines):
     """A completion of several prompts: vLLM answers such a batch with its first prompt's lease
     only, which once reached every prompt's pull on decode (the second prompt continued from the
