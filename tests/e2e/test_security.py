@@ -94,8 +94,11 @@ def test_no_secret_in_status_or_logs(cluster):
     for leaked in forbidden:
         assert leaked not in cli(cluster.home, "status", "--json", "--name", cluster.name).stdout
         assert leaked not in cli(cluster.home, "status", "--name", cluster.name).stdout
-    logs = list(Path("/tmp/ray/session_latest/logs").glob("*")) + list((cluster.home / "logs").glob("*"))
-    assert logs
+    from ray._common.utils import get_default_ray_temp_dir  # where `up`'s Ray head keeps its session
+
+    ray_logs = list((Path(get_default_ray_temp_dir()) / "session_latest" / "logs").glob("*"))
+    assert [p for p in ray_logs if p.name.startswith("worker-")], "no Ray worker log found to read"
+    logs = ray_logs + list((cluster.home / "logs").glob("*"))
     for path in logs:
         if path.is_file():
             content = path.read_bytes()

@@ -116,7 +116,11 @@ def complete(http, prompt, **body):
 @contextlib.contextmanager
 def cluster_up(home: Path, config_path: Path, host: Host | None = None) -> Iterator[RunningCluster]:
     name = yaml.safe_load(config_path.read_text())["name"]
-    up = cli(home, "up", str(config_path), host=host)
+    try:
+        up = cli(home, "up", str(config_path), host=host)
+    except BaseException:  # a failed up tears down itself; one killed at its timeout cannot
+        cli(home, "down", "--name", name, timeout=300, check=False, host=host)
+        raise
     endpoint = up.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
     try:
         yield RunningCluster(home, config_path, name, endpoint, host)
