@@ -78,7 +78,8 @@ class AheadPulls:
         except KVTransferError as exc:
             with self._lock:
                 self._given_up.add(spec.request_id)
-            self._abort(spec, str(exc))
+            # off the engine's step: an abort report waits for room in a full inbox (failures.py)
+            threading.Thread(target=self._abort, args=(spec, str(exc)), name="kv-abort", daemon=True).start()
             return
         with self._lock:
             self._awaiting[spec.request_id] = (endpoint, spec)

@@ -9,14 +9,16 @@ is the channel between the two, used for nothing else:
   it in the environment its engine processes inherit (FAILURE_SOCKET_ENV).
 - With that policy, the worker half sends one datagram per failed pull (`report_failure`) *before*
   it reports the load as failed to vLLM, so the datagram is in the socket when the error reaches
-  the API process. The send never blocks: a report that finds the socket full is dropped (and
+  the API process. That send never blocks: a report that finds the socket full is dropped (and
   logged), and the client gets vLLM's own error for that request.
 - The API process reads the socket as reports arrive, and the engine app's middleware
   (engine/kv_errors.py) looks a reason up by the request's lease (`remote_request_id` of its
   kv_transfer_params): an exact key.
 - A request admitted ahead of its prefill whose lease never came (ahead.py) is reported under its
   lease key with `abort` (vLLM's request id), whatever the policy: the inbox's `on_abort` (the
-  engine host) aborts it, and its answer carries the reason.
+  engine host) aborts it, and its answer carries the reason. That report waits for room in the
+  socket (up to ABORT_SEND_S; it is sent from a lookup thread, off the engine's path): dropped,
+  its request would hold its blocks until its deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 FAILURE_SOCKET_ENV = "PDCLUSTER_KV_FAILURE_SOCKET"
 MAX_REASON_CHARS = 2000
 MAX_KEPT = 1024  # reasons kept for answers not yet written (the oldest go first)
+ABORT_SEND_S = 10.0  # how long an abort report waits for room in a full inbox
 
 
 def report_failure(lease_request_id: str, producer_engine_id: str, reason: str, abort: str = "") -> None:
@@ -53,9 +56,16 @@ def report_failure(lease_request_id: str, producer_engine_id: str, reason: str, 
     ).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(message, socket.MSG_DONTWAIT, path)
-    except BlockingIOError:
-        logger.warning("the KV failure inbox is full; the failure of %s goes unexplained", lease_request_id)
+            if abort:
+                sock.settimeout(ABORT_SEND_S)  # the inbox's reader makes room as it reads
+                sock.sendto(message, path)
+            else:
+                sock.sendto(message, socket.MSG_DONTWAIT, path)
+    except (BlockingIOError, TimeoutError):
+        if abort:
+            logger.error("the KV failure inbox stayed full: request %s is not aborted, waits for its deadline", abort)
+        else:
+            logger.warning("the KV failure inbox is full; the failure of %s goes unexplained", lease_request_id)
     except OSError as exc:
         logger.warning("could not report the KV failure of %s to the API process: %s", lease_request_id, exc)
 

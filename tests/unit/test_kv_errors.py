@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import httpx
 from starlette.applications import Starlette
@@ -149,4 +150,32 @@ def test_a_request_admitted_ahead_whose_lease_never_came_is_aborted_and_says_why
         )
         assert response.text.rstrip().endswith("data: [DONE]")
     finally:
+        inbox.close()
+
+
+def test_abort_reports_wait_for_room_in_a_full_inbox_instead_of_being_dropped():
+    """Aborts of requests admitted ahead whose lease never came (ahead.py gives up every request
+    awaiting a failed producer at once): the inbox's reader is held up (in its first on_abort) while
+    60 reports arrive, more than the socket queues. Each is delivered once the reader goes on; a
+    dropped one left its request holding its blocks until its deadline."""
+    go_on, aborted = threading.Event(), []
+
+    def on_abort(request_id: str) -> None:
+        go_on.wait(30)
+        aborted.append(request_id)
+
+    inbox = FailureInbox(on_abort=on_abort)
+    try:
+        code = (
+            "from pdcluster.kv_transfer.failures import report_failure\n"
+            "for i in range(60): report_failure(f'key-{i}', 'c-prefill-0', 'no lease came', abort=f'cmpl-{i}')\n"
+        )
+        env = {**os.environ, FAILURE_SOCKET_ENV: inbox.path}
+        sender = subprocess.Popen([sys.executable, "-c", code], env=env)
+        threading.Timer(2.0, go_on.set).start()  # the sender meanwhile fills the socket
+        assert sender.wait(timeout=120) == 0
+        inbox.drain()
+        assert sorted(aborted, key=lambda r: int(r.split("-")[1])) == [f"cmpl-{i}" for i in range(60)]
+    finally:
+        go_on.set()
         inbox.close()
