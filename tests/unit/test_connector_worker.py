@@ -211,19 +211,20 @@ def test_a_lease_released_here_is_never_pulled_again(consumer):
 
 def test_queued_leases_are_renewed_without_engine_steps_until_released(producer, consumer):
     """The scheduler names a queued request's lease once; the worker renews it on its own clock
-    every sixth of the producer's lease (2 s here, this consumer's setting 30 s) while the engine
+    every sixth of the producer's lease (3 s here, this consumer's setting 30 s) while the engine
     takes no step, for three leases' time (before, renewals went out only at the engine's steps:
     an engine core that stalled past a lease let its queued leases expire). A lease no producer of
     the cluster signed is never renewed; a released one no longer is."""
     source, address = producer
-    source.lease_seconds = 2  # what a renewal extends a lease to
-    source.leases.add("req-1", [4, 5], time.monotonic() + 2)
-    queued = lease(address, expiry_in=2, lease_seconds=2)
-    forged = KVParams(**{**lease(address, expiry_in=2).__dict__, "remote_request_id": "req-2", "signature": "00" * 32})
+    # 3 s: a renewal every 0.5 s, so only a stall of this process over 2.5 s could expire it
+    source.lease_seconds = 3  # what a renewal extends a lease to
+    source.leases.add("req-1", [4, 5], time.monotonic() + 3)
+    queued = lease(address, expiry_in=3, lease_seconds=3)
+    forged = KVParams(**{**lease(address, expiry_in=3).__dict__, "remote_request_id": "req-2", "signature": "00" * 32})
     forged_deadline = time.monotonic() + 600
     source.leases.add("req-2", [6], forged_deadline)
     consumer.bind(PDConnectorMetadata(queued=[queued, forged]))  # one step, then none
-    end = time.monotonic() + 6
+    end = time.monotonic() + 9
     while time.monotonic() < end:
         assert not source.leases.collect_finished(), "a queued lease expired between engine steps"
         time.sleep(0.1)  # poll interval
