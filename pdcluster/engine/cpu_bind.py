@@ -17,9 +17,11 @@ Processes that are no replica (router, controller, Ray's own) are not bound eith
 
 from __future__ import annotations
 
+import errno
 import os
 
 from pdcluster import compat
+from pdcluster.errors import ConfigError
 
 
 def explicit_cores(mask: str | None) -> list[int] | None:
@@ -34,11 +36,24 @@ def explicit_cores(mask: str | None) -> list[int] | None:
         return None
 
 
+def _set_affinity(tid: int, cores: list[int]) -> None:
+    """sched_setaffinity, its refusal of cores outside this machine's CPU set said as such."""
+    try:
+        os.sched_setaffinity(tid, cores)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        allowed = sorted(os.sched_getaffinity(0))
+        raise ConfigError(
+            f"roles.<role>.cpu_bind: cores {cores} are not all among the CPUs this process may use {allowed}"
+        ) from None
+
+
 def bind_this_thread(cores: list[int]) -> None:
     """Bind the calling thread to `cores` and give torch (OpenMP) one thread per core."""
     import torch
 
-    os.sched_setaffinity(0, cores)  # pid 0: the calling thread
+    _set_affinity(0, cores)  # pid 0: the calling thread
     torch.set_num_threads(len(cores))
 
 
@@ -53,7 +68,7 @@ def bind_this_process(cores: list[int]) -> int:
             return len(bound)
         for tid in new:
             try:
-                os.sched_setaffinity(tid, cores)
+                _set_affinity(tid, cores)
             except ProcessLookupError:
                 continue  # the thread ended meanwhile
             bound.add(tid)

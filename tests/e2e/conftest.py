@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import TEST_DTYPE, cluster_up, write_config
+from tests.support.cores import FIRST
 from tests.support.engines import run_engine, tiny_engine
 
 PD_SECRET = "reliability-secret-7f3a9c"
@@ -21,7 +22,7 @@ PD_LEASE_S = 8
 
 @pytest.fixture(scope="package")
 def reference_engine(tmp_path_factory):
-    spec = tiny_engine("reference", dtype=TEST_DTYPE, engine_args={"max_num_seqs": 16}, cpu_threads_bind="0")
+    spec = tiny_engine("reference", dtype=TEST_DTYPE, engine_args={"max_num_seqs": 16}, cpu_threads_bind=FIRST)
     with run_engine(spec, tmp_path_factory.mktemp("reference")) as engine:
         yield engine
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support.cores import FIRST, SECOND
 from tests.support.engines import run_engines, tiny_engine
 from tests.support.identity import Greedy, assert_same_greedy, identity_fields
 from tests.support.prompts import heldout_prompts, token_prompt
@@ -50,9 +51,9 @@ def engines(tmp_path_factory):
     secret = tmp / "secret"
     secret.write_text("bf16-test-secret")
     specs = [
-        spec("agg", "aggregated", "0", secret),
-        spec("prefill", "prefill", "0", secret),
-        spec("decode", "decode", "1", secret),
+        spec("agg", "aggregated", FIRST, secret),
+        spec("prefill", "prefill", FIRST, secret),
+        spec("decode", "decode", SECOND, secret),
     ]
     with run_engines(specs, tmp) as running:
         yield running

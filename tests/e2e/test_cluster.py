@@ -19,6 +19,7 @@ import pytest
 
 from pdcluster.keys import engine_http_token
 from tests.support.cluster import TEST_DTYPE, cli, cluster_processes, cluster_up, write_config
+from tests.support.cores import FIRST, SECOND
 from tests.support.hugepages import hinted_kib, thp_available
 from tests.support.identity import Greedy, assert_same_greedy, greedy_completion
 from tests.support.prompts import heldout_prompts, token_prompt
@@ -261,7 +262,10 @@ def test_status_json_reflects_cluster(cluster):
     # local-cpu.yaml binds each engine to a core: models run in their engine-core processes
     assert all(r["single_process"] is True and r["single_process_reason"] == "" for r in status["replicas"])
     # and binds every thread of each replica to that core (roles.*.cpu_bind_scope replica)
-    assert {r["role"]: r["replica_cores"] for r in status["replicas"]} == {"prefill": [0], "decode": [1]}
+    assert {r["role"]: r["replica_cores"] for r in status["replicas"]} == {
+        "prefill": [int(FIRST)],
+        "decode": [int(SECOND)],
+    }
     stats = decode["stats"]
     assert stats["spec_draft_tokens"] > 0 and 0 < stats["spec_acceptance_rate"] <= 1
     assert stats["spec_mean_accepted_length"] >= 1

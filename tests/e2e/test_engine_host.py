@@ -14,6 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.support.cores import SECOND
 from tests.support.engines import engine_core, run_engine, tiny_engine
 from tests.support.handoff import NAME, complete, info, wait_for
 
@@ -24,7 +25,7 @@ SERVING = "serving on http"
 
 
 def test_a_first_logprobs_request_compiles_nothing(tmp_path):
-    spec = tiny_engine("warm", dtype="float32", cpu_threads_bind="1", extra_env={"TORCH_LOGS": "dynamo"})
+    spec = tiny_engine("warm", dtype="float32", cpu_threads_bind=SECOND, extra_env={"TORCH_LOGS": "dynamo"})
     with run_engine(spec, tmp_path) as engine:
         assert info(engine)["stats"]["prefix_cache_queries"] == 0  # the warm-up is not traffic
         for extra in ({"logprobs": 2}, {"logprobs": 1, "echo": True}):  # sampled tokens', prompt's
@@ -44,7 +45,7 @@ def test_a_request_to_an_engine_whose_core_died_is_refused_unstarted_and_the_eng
     the request and answered 500 ("EngineCore encountered an issue"), which the router relayed to
     the client as the request's answer (and before 45dbc20, a 500 saying "'State' object has no
     attribute 'server'" while the engine served on, dead)."""
-    spec = tiny_engine("dies", dtype="float32", cpu_threads_bind="1")
+    spec = tiny_engine("dies", dtype="float32", cpu_threads_bind=SECOND)
     with run_engine(spec, tmp_path) as engine:
         core = engine_core(engine.process.pid)
         core.kill()
@@ -61,7 +62,7 @@ def test_a_stream_the_engine_is_writing_when_its_core_dies_is_cut_not_ended_with
     of a replica that died: it continues the stream on another decode replica), its server then
     stops. Before, vLLM ended it with an error event, which the router relayed to the client as
     the end of the stream."""
-    spec = tiny_engine("cut", dtype="float32", cpu_threads_bind="1")
+    spec = tiny_engine("cut", dtype="float32", cpu_threads_bind=SECOND)
     body = {"model": NAME, "prompt": [5, 6, 7, 8], "max_tokens": 900, "ignore_eos": True, "stream": True}
     with run_engine(spec, tmp_path) as engine:
         core = engine_core(engine.process.pid)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.cores import FIRST, SECOND
 from tests.support.engines import run_engines, tiny_engine
 from tests.support.handoff import complete
 from tests.support.identity import Greedy, assert_same_greedy
@@ -46,9 +47,9 @@ def engines(tmp_path_factory, reference_engine):
     specs = []
     for k in KS:
         specs += [
-            spec(f"agg-k{k}", "aggregated", k, "1", secret),
-            spec(f"prefill-k{k}", "prefill", k, "0", secret),
-            spec(f"decode-k{k}", "decode", k, "1", secret),
+            spec(f"agg-k{k}", "aggregated", k, SECOND, secret),
+            spec(f"prefill-k{k}", "prefill", k, FIRST, secret),
+            spec(f"decode-k{k}", "decode", k, SECOND, secret),
         ]
     with run_engines(specs, tmp) as running:
         yield {"agg-off": reference_engine, **running}  # the reference: no speculation (conftest.py)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import TEST_DTYPE, cluster_up, complete, write_config
+from tests.support.cores import FIRST, SECOND
 from tests.support.identity import assert_same_greedy, greedy_completion
 from tests.support.prompts import token_prompt
 
@@ -35,7 +36,7 @@ def cluster(tmp_path_factory):
         home / "cluster.yaml",
         name="e2e-planner",
         model={"max_model_len": 4096},
-        roles={"prefill": {"cpu_bind": ["0", "1"]}},  # its core pool: room for a second replica
+        roles={"prefill": {"cpu_bind": [FIRST, SECOND]}},  # its core pool: room for a second replica
         router={"policy": "cache_aware", "local_prefill_max_tokens": LOCAL_PREFILL_MAX},
         autoscale={
             "enabled": True,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.support.cores import FIRST, SECOND
 from tests.support.engines import MODEL, REPO
 from tests.support.hosts import Host, live_processes
 
@@ -39,6 +40,9 @@ def write_config(path: Path, **overrides) -> Path:
     config["router"]["local_prefill_queue_tokens"] = 0
     for role in ("prefill", "decode", "aggregated"):
         config["roles"][role]["kv_cache_gib"] = 1
+        # the default config's cores 0 and 1 as this machine's first two allowed ones
+        cores = config["roles"][role].get("cpu_bind", [])
+        config["roles"][role]["cpu_bind"] = [{"0": FIRST, "1": SECOND}.get(core, core) for core in cores]
     _merge(config, overrides)
     path.write_text(yaml.safe_dump(config))
     return path

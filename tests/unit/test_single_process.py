@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 
 from pdcluster.engine.cpu_bind import explicit_cores
 from pdcluster.engine.single_process import WORKER_CLS, use_single_process
+from tests.support.cores import FIRST
 from tests.support.engines import MODEL
 
 
@@ -63,12 +65,12 @@ def test_engine_thread_binding():
     """The binding applies to the calling thread (run in a child: it must not pin pytest)."""
     code = (
         "import os, torch; from pdcluster.engine.cpu_bind import bind_this_thread; "
-        "bind_this_thread([0]); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
+        f"bind_this_thread([{FIRST}]); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=os.environ
     )
-    assert out.stdout.split("\n")[-2] == "[0] 1"
+    assert out.stdout.split("\n")[-2] == f"[{FIRST}] 1"
 
 
 BOUND_PROCESS = """
@@ -86,7 +88,7 @@ def early():  # running before the binding; starts a thread after it
     done.set()
 threading.Thread(target=early).start()
 before = sorted(os.sched_getaffinity(0))
-seen["bound"] = bind_this_process([0])
+seen["bound"] = bind_this_process([int(sys.argv[1])])
 go.set()
 done.wait()
 child = "import os; print(sorted(os.sched_getaffinity(0)))"
@@ -96,17 +98,35 @@ print(json.dumps({"before": before, **seen}))
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding to core 0 changes nothing on one core")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding to one core changes nothing on one core")
 def test_a_bound_process_keeps_every_thread_and_child_on_its_cores():
     """cpu_bind_scope replica (engine/cpu_bind.py): threads running before the binding, threads
     they start after it and processes started after it all run on the bound core only (run in a
     child: it must not pin pytest)."""
     out = subprocess.run(
-        [sys.executable, "-c", BOUND_PROCESS], capture_output=True, text=True, timeout=120, check=True, env=os.environ
+        [sys.executable, "-c", BOUND_PROCESS, FIRST],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=os.environ,
     )
     seen = json.loads(out.stdout)
     assert len(seen["before"]) >= 2  # the binding narrows something
     assert seen["bound"] >= 2  # the main thread and the early one
-    assert seen["early"] == seen["later"] == [0]
-    assert seen["child"].strip() == "[0]"
-    assert seen["threads"] == ["[0]"]
+    assert seen["early"] == seen["later"] == [int(FIRST)]
+    assert seen["child"].strip() == f"[{FIRST}]"
+    assert seen["threads"] == [f"[{FIRST}]"]
+
+
+def test_a_core_outside_this_machines_cpu_set_is_named_not_einval():
+    """cpu_bind naming a core this process may not use (a container's CPU set, a smaller machine):
+    a config error naming the cores and the usable ones, where the kernel says only EINVAL."""
+    from pdcluster.engine.cpu_bind import bind_this_thread
+    from pdcluster.errors import ConfigError
+
+    usable, outside = sorted(os.sched_getaffinity(0)), max(os.sched_getaffinity(0)) + 1000
+    message = f"cpu_bind: cores [{outside}] are not all among the CPUs this process may use {usable}"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        bind_this_thread([outside])
+    assert sorted(os.sched_getaffinity(0)) == usable

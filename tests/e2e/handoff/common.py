@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from tests.support.cores import FIRST, SECOND
 from tests.support.engines import tiny_engine
 from tests.support.handoff import greedy
 from tests.support.identity import Greedy, assert_same_greedy
@@ -45,24 +46,29 @@ def engine_specs(secret):
         spec(
             "prefill",
             "prefill",
-            "0",
+            FIRST,
             secret,
             kv={"lease_seconds": LEASE_S, "backend": "auto", "bind_host": "0.0.0.0", "advertise_host": "127.0.0.1"},
         ),
-        # binds its engine thread to core 1 (as the others do), the rest of it runs on any core:
-        # the clusters lane's decodes take core 1 whole (configs/local-cpu.yaml), and a decode
+        # binds its engine thread to decode's core (as the others do), the rest of it runs on any
+        # core: the clusters lane's decodes take that core whole (configs/local-cpu.yaml), and a decode
         # confined to it with them pulled its batch too late for its leases
-        spec("decode", "decode", "1", secret),
+        spec("decode", "decode", SECOND, secret),
         # vLLM's own CPU layout (a worker process holds the model); the others run single-process
-        spec("decode-shm", "decode", "1", secret, kv={"backend": "auto"}, single_process=False),
-        spec("decode-collective", "decode", "1", secret, kv={"backend": "collective"}),
+        spec("decode-shm", "decode", SECOND, secret, kv={"backend": "auto"}, single_process=False),
+        spec("decode-collective", "decode", SECOND, secret, kv={"backend": "collective"}),
         # one request at a time: a second one queues (lease renewal)
-        spec("decode-mooncake", "decode", "1", secret, kv={"backend": "mooncake"}, max_num_seqs=1),
-        # every thread of it on core 1 (cpu_bind_scope replica: test_threads_and_sockets)
+        spec("decode-mooncake", "decode", SECOND, secret, kv={"backend": "mooncake"}, max_num_seqs=1),
+        # every thread of it on decode's core (cpu_bind_scope replica: test_threads_and_sockets)
         spec(
-            "decode-faulty", "decode", "1", secret, kv={"fault_injection": {"pull_failure_rate": 1.0}}, scope="replica"
+            "decode-faulty",
+            "decode",
+            SECOND,
+            secret,
+            kv={"fault_injection": {"pull_failure_rate": 1.0}},
+            scope="replica",
         ),
-        spec("decode-mismatch", "decode", "1", secret, policy="fail", block_size=64),
+        spec("decode-mismatch", "decode", SECOND, secret, policy="fail", block_size=64),
     ]
 
 

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.e2e.handoff.common import BLOCK
+from tests.support.cores import SECOND
 from tests.support.engines import thread_cores, vllm_processes
 from tests.support.handoff import handoff, info, wait_for
 from tests.support.prompts import token_prompt
@@ -36,14 +37,14 @@ def test_engines_run_their_model_in_the_engine_core_unless_told_otherwise(engine
 def test_a_replica_bound_engine_runs_every_thread_on_its_core(engines):
     """cpu_bind_scope replica (engine/cpu_bind.py): every thread of decode-faulty's process
     (vLLM's front end, the HTTP app, the KV error inbox) and of the engine core it started (its
-    pull threads too) runs on core 1 alone, after serving a handoff; `agg` and `decode` (scope
+    pull threads too) runs on its core (decode's: tests/support/cores.py) alone, after serving a handoff; `agg` and `decode` (scope
     engine) bind their engine core, while the rest of them may run on any core."""
     decode = engines["decode-faulty"]
     failed = info(decode)["stats"]["kv_pulls_failed"]
     assert handoff(engines["prefill"], decode, token_prompt(BLOCK + 5, offset=433), 2)[0].status_code == 200
     wait_for(lambda: info(decode)["stats"]["kv_pulls_failed"] > failed, 30, "the pull (failing, then recomputed)")
-    assert thread_cores(decode.process.pid) == {(1,)}
-    assert info(decode)["replica_cores"] == [1]
+    assert thread_cores(decode.process.pid) == {(int(SECOND),)}
+    assert info(decode)["replica_cores"] == [int(SECOND)]
     for name in ("agg", "decode"):
         assert info(engines[name])["replica_cores"] is None
     if len(os.sched_getaffinity(0)) > 1:
