@@ -18,9 +18,9 @@ setup: system $(STAMP)
 
 # System packages (apt) the tests use: installed when missing and possible (tools/system_deps.sh).
 system:
-	@tools/system_deps.sh
+	@PYTHON="$(PYTHON)" VENV="$(VENV)" tools/system_deps.sh
 
-$(STAMP): $(LOCK) pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml | system
 	@test -x $(PY) || tools/make_venv.sh "$(PYTHON)" $(VENV)
 	@echo "Installing pinned environment into $(VENV) (first run only, ~2 min)..."
 	@set -o pipefail; $(PY) -m pip install -q --no-deps $(PIP_EXTRA) -r $(LOCK) 2>&1 \

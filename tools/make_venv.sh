@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The virtual environment `make setup` installs into: made with CPython 3.11 (the lock's wheels
-# are built for it), else one line saying what to do. Debian's python3.11 needs python3.11-venv
-# for `-m venv` (installed here when missing, as root).
+# are built for it), else one line saying what to do. (Debian's python3.11 needs python3.11-venv
+# for `-m venv`: tools/system_deps.sh, which make runs first, installs it or says how.)
 #   usage: tools/make_venv.sh PYTHON VENV
 set -euo pipefail
 python=$1 venv=$2
@@ -12,16 +12,5 @@ fi
 if [ "$version" != "3.11" ]; then
   echo "pdcluster: needs CPython 3.11 (the lock's wheels), '$python' is $version; run: make PYTHON=/path/to/python3.11" >&2
   exit 1
-fi
-if ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
-  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "Installing system package: python3.11-venv"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends python3.11-venv >/dev/null 2>&1 \
-      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends python3.11-venv >/dev/null; }
-  else
-    echo "pdcluster: '$python' cannot make a virtual environment; run: sudo apt-get install -y python3.11-venv" >&2
-    exit 1
-  fi
 fi
 "$python" -m venv "$venv"

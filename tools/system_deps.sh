@@ -3,6 +3,8 @@
 # runs as root (CI and the dev machines); otherwise the exact command to run is printed.
 #   required   libibverbs1, librdmacm1   Mooncake's transfer engine links them, also for TCP
 #                                        (the `mooncake` KV backend); setup stops without them
+#              python3.11-venv           where $PYTHON (make's) cannot make the venv yet to be made
+#                                        (Debian's python3.11 without it)
 #   tests      nft (nftables)            network faults between test hosts (tests/support/netfaults.py)
 #              ip, nsenter, unshare      test hosts (tests/support/hosts.py); tests skip without them
 set -euo pipefail
@@ -14,6 +16,11 @@ optional=()
 for library in "${!LIBRARY[@]}"; do
   ldconfig -p 2>/dev/null | grep -q "$library" || required+=("${LIBRARY[$library]}")
 done
+python=${PYTHON:-python3}  # make's, for the venv it has yet to make (VENV)
+if [ ! -x "${VENV:-.venv}/bin/python" ] && command -v "$python" >/dev/null 2>&1 \
+  && ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
+  required+=(python3.11-venv)
+fi
 for command in "${!COMMAND[@]}"; do
   command -v "$command" >/dev/null 2>&1 || optional+=("${COMMAND[$command]}")
 done
