@@ -372,12 +372,10 @@ class Controller:
         return False
 
     async def wait_ready(self, timeout_s: float, change: bool = False) -> bool:
-        """True once every replica started (ready or dead) and the router can serve; with `change`
-        not before the replica table next changes either (`scale --wait` while a replica drains)."""
+        """True once no replica is starting; with `change`, not before the replica table changes."""
         deadline = time.monotonic() + timeout_s
         while True:
-            starting = any(r.state == ReplicaState.STARTING for pool in self.pools.values() for r in pool)
-            if not starting and not change:
+            if not change and not any(r.state == ReplicaState.STARTING for p in self.pools.values() for r in p):
                 return True
             change = False
             remaining = deadline - time.monotonic()
