@@ -386,6 +386,28 @@ def test_with_no_prefill_ready_decode_serves_the_whole_request(serve, stream):
     assert router.is_ready() and router.route_decisions() == {"decode": 1}
 
 
+def test_a_request_whose_prefill_leaves_midway_is_counted_once_as_the_path_it_ended_on(serve):
+    """Routed `pd`, its only prefill replica hangs up and leaves the pool (drained) meanwhile:
+    decode computes the prompt, and /metrics counts the request once, as `decode`."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
+
+    async def whole(call, out):
+        await out.json({"id": "cmpl-d", "choices": [{"index": 0, "text": "ab"}]})
+
+    async def leaves(call, out):
+        rows = [row("prefill-0", "prefill", state=ReplicaState.DRAINING), row("decode-0", "decode", decode.url)]
+        router.update_replicas(rows)
+        out.hang_up()
+
+    prefill, decode = StandIn(leaves), StandIn(whole)
+    response, _ = serve(router, {"prefill-0": prefill, "decode-0": decode}, COMPLETION, [])
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "ab"
+    assert len(prefill.posts()) == 1
+    [sent] = decode.posts()
+    assert "kv_transfer_params" not in sent.body  # decode computed the prompt
+    assert router.route_decisions() == {"decode": 1}
+
+
 def sent_ahead(router: Router, decode: StandIn | dict[str, StandIn], prompt: list[int]):
     """Two streamed requests through a router with decode_ahead: the first one's lease vouches for
     the prefill replica, so the second one's continuation leaves with its prefill request.

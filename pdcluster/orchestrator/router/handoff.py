@@ -100,7 +100,7 @@ class Handoff:
     first: continuation.FirstToken | None = None  # the prefill's first token, if decode continues
     ahead: Ahead | None = None  # the continuation sent with the prefill, once the prefill matched it
     delivered: bool = False  # bytes went to the client
-    routed: bool = False  # its path is decided and counted (PhaseRunner._route)
+    route: str | None = None  # its path once decided (PhaseRunner._route), counted when its phases end
     outcome: str = "ok"
     _held: list[tuple[ReplicaLoad, int]] = field(default_factory=list)  # with the tokens each holds
     _finished: bool = False
@@ -205,6 +205,9 @@ class PhaseRunner:
         except BaseException:
             h.release()
             raise
+        finally:
+            if h.route is not None:  # counted once, as the path it ended on
+                self.metrics.routes.labels(h.route).inc()
         if not isinstance(response, RelayResponse):
             h.release()
         return response
@@ -228,7 +231,7 @@ class PhaseRunner:
                 self.recover(h, failure)
 
     def _route(self, h: Handoff) -> None:
-        """Decide a disaggregated request's path once its decode replica is chosen, and count it:
+        """Decide a disaggregated request's path once its decode replica is chosen (counted by serve):
         `pd` (prefill, then decode pulls the KV), `decode` (decode computes the prompt: several
         choices or prompts, or no prefill ready) or `local_prefill` (conditional disaggregation: the decode
         replica holds all but at most router.local_prefill_max_tokens of the prompt, or the
@@ -237,9 +240,8 @@ class PhaseRunner:
         to compute while every ready prefill replica has at least that many in flight: it would
         queue there longer than decode takes to compute it, and no longer prompt stalls decode's
         streams this way)."""
-        if not self.settings.disaggregated or h.routed:
+        if not self.settings.disaggregated or h.route is not None:
             return
-        h.routed = True
         assert h.answering is not None
         limit, queue = self.settings.local_prefill_max_tokens, self.settings.local_prefill_queue_tokens
         compute = h.tokens - h.cached.get(h.answering.replica_id, 0)
@@ -247,9 +249,9 @@ class PhaseRunner:
         queued = not short and queue > 0 and compute <= queue and self.pool.prefill_queue() >= queue
         if not h.local and (short or queued):
             h.local, h.continuing = True, False
-            self.metrics.routes.labels("local_prefill" if short else "local_queue").inc()
+            h.route = "local_prefill" if short else "local_queue"
             return
-        self.metrics.routes.labels("decode" if h.local else "pd").inc()
+        h.route = "decode" if h.local else "pd"
 
     def recover(self, h: Handoff, failure: PhaseFailed) -> None:
         """Make `h` ready for its next try after `failure`, or raise what ends the request (see
@@ -279,8 +281,7 @@ class PhaseRunner:
         except NoReplicaError:
             if self._prefill_ready():
                 raise  # ready replicas that all failed this request: it ends with the 503
-            h.local, h.continuing = True, False
-            self.metrics.routes.labels("decode").inc()
+            h.local, h.continuing, h.route = True, False, "decode"
             return None
 
     async def _prefill(self, h: Handoff) -> Response | None:
