@@ -227,9 +227,14 @@ class ConnectorScheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
-        if self.is_consumer:
-            if self._awaiting.pop(request.request_id, None) is not None and params.get(kvp.PULL_PLANNED):
-                self._meta.abandoned.append(request.request_id)  # the worker stops looking
+        if self.is_consumer and kvp.wants_lease_await(params):
+            self._awaiting.pop(request.request_id, None)
+            if params.get(kvp.PULL_PLANNED):
+                # Every worker hears it ended: one still looking stops, one that gave up reports
+                # its load now (vLLM frees the blocks once every rank has). Even after its first
+                # token came: under tensor parallelism another rank may have found the lease
+                # while this one gave up. A worker with a pull of its own ignores it.
+                self._meta.abandoned.append(request.request_id)
         if self.is_consumer and kvp.wants_remote_prefill(params) and not params.get(kvp.PULL_PLANNED):
             # Dropped before its blocks were allocated (abort, rejection): free P's blocks now
             # instead of leaving them to the lease timeout.

@@ -13,6 +13,7 @@ import copy
 import itertools
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -197,6 +198,31 @@ def test_a_request_dropped_before_its_pull_releases_the_lease(consumer):
     meta = step(scheduler)
     assert meta.pulls == [] and len(meta.releases) == 1
     assert meta.releases[0].remote.remote_block_ids == (5, 6)
+
+
+@pytest.mark.parametrize("first_token_in", [False, True], ids=["no-token-yet", "one-rank-found-it"])
+def test_a_request_admitted_ahead_that_ends_is_abandoned_to_every_worker(consumer, first_token_in):
+    """Tensor parallel: each rank looks the lease up on its own. When one rank found it (its
+    first token is in: the request stopped awaiting here) and another gave up and had the request
+    aborted, the one that gave up reports its load only once told the request ended: without
+    that, vLLM waits for its report for good."""
+    from vllm.v1.request import RequestStatus
+
+    from pdcluster.kv_transfer.metadata import PDWorkerMetadata
+    from pdcluster.kv_transfer.params import AwaitParams
+
+    scheduler, hasher = consumer
+    voucher = KVParams.from_dict(lease(BLOCK, [1]))
+    req = request(hasher, PROMPT[:200], AwaitParams("ab" * 16, voucher, time.time() + 30).to_dict())
+    scheduler.add_request(req)
+    [pull] = step(scheduler).pulls
+    assert pull.awaiting is not None and pull.request_id == req.request_id
+    if first_token_in:
+        output = SimpleNamespace(kv_connector_worker_meta=PDWorkerMetadata({req.request_id: 7}))
+        scheduler.connector.connector_scheduler.update_connector_output(output)
+        assert req.prompt_token_ids[-1] == 7  # the first token became the last prompt token
+    scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert step(scheduler).abandoned == [req.request_id]
 
 
 def test_producer_leases_what_it_computed(tmp_path):

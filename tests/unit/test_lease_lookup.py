@@ -18,12 +18,14 @@ from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import ahead
 from pdcluster.kv_transfer import producer as producer_module
 from pdcluster.kv_transfer.ahead import AheadPulls
+from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
 from pdcluster.kv_transfer.metadata import PullSpec
 from pdcluster.kv_transfer.params import AwaitParams, KVParams
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.transports import create_transport
 from tests.unit.kv_fixtures import make_cache
+from tests.unit.replica_stand_ins import closed_port
 
 SECRET = "lookup-test-secret"
 PARAMS_KEY = derive_key(SECRET, KV_PARAMS)
@@ -181,3 +183,47 @@ def test_a_lease_found_for_a_request_that_ended_meanwhile_is_released(served, mo
         assert pulls == [] and pulls_ahead.take_first_tokens() == {}
     finally:
         pulls_ahead.shutdown()
+
+
+def test_under_tensor_parallel_a_rank_that_gave_up_reports_once_told_the_request_ended(served, monkeypatch):
+    """Two ranks of one decode engine look the same request's lease up, each on its own producer
+    rank: one finds it, the other's producer is unreachable, so it gives up (and has the request
+    aborted). The scheduler then tells both that the request ended: the rank that gave up reports
+    its load as failed, once; the one that found it reports through its pull, not here."""
+    producer, server, client = served
+    inbox = FailureInbox(on_abort=(aborted := []).append)  # the engine's API process: aborts
+    monkeypatch.setenv(FAILURE_SOCKET_ENV, inbox.path)
+    found_pulls: list[PullSpec] = []
+    reports: dict[str, list[tuple]] = {"found": [], "gave up": []}
+    unreachable = f"127.0.0.1:{closed_port()}"
+    ranks = {}
+    connections = {
+        "found": lambda endpoint: client,
+        "gave up": lambda endpoint: create_transport("grpc", KVTransferSettings(secret=SECRET)).connect(endpoint),
+    }
+    for rank, connection in connections.items():
+        ranks[rank] = AheadPulls(
+            engine_id="decode-0",
+            params_key=PARAMS_KEY,
+            timeout_s=2,
+            endpoint_for=lambda params: params.remote_endpoints[0],
+            connection=connection,
+            submit_pull=found_pulls.append,
+            report_failed=lambda *failed, rank=rank: reports[rank].append(failed),
+            release=lambda lease: None,
+        )
+    try:
+        producer.leases.add("req-1", [3], time.monotonic() + 60, key="1" * 32, handout=lease("req-1", 9))
+        for rank, endpoint in [("found", server.address), ("gave up", unreachable)]:
+            ranks[rank].add(awaiting("r-1", "1" * 32, endpoint))
+        wait_until(lambda: len(found_pulls) == 1, "one rank finds the lease")
+        wait_until(lambda: aborted == ["r-1"], "the other gives up and has the request aborted")
+        assert reports == {"found": [], "gave up": []}  # no report before the request ended
+        for pulls_ahead in ranks.values():
+            pulls_ahead.abandon("r-1")
+            pulls_ahead.abandon("r-1")  # told twice: reported once
+        assert reports["found"] == [] and [r[0] for r in reports["gave up"]] == ["r-1"]
+    finally:
+        for pulls_ahead in ranks.values():
+            pulls_ahead.shutdown()
+        inbox.close()
