@@ -37,6 +37,51 @@ def process_tree_rss() -> int:
     return total
 
 
+SECRET_FILE_PREFIX = "pdcluster-kv-"
+SECRET_FILE_SUFFIX = ".secret"
+
+
+def write_secret_file(engine_id: str, secret: str, directory: str | None = None) -> str:
+    """A private file (0600) holding the KV secret, for the engine's processes to read as they
+    start; removed once they run (EngineActor.start). Named after its engine (`<cluster>-<replica>`)
+    and the process writing it: `pdcluster-kv-<engine>.<pid>.<random>.secret`. An actor killed in
+    the middle of a start leaves its file behind: such files, whose writer is gone, are removed
+    here first, by the next engine started on the node."""
+    directory = directory or tempfile.gettempdir()
+    remove_orphan_secret_files(directory)
+    fd, path = tempfile.mkstemp(
+        prefix=f"{SECRET_FILE_PREFIX}{engine_id}.{os.getpid()}.", suffix=SECRET_FILE_SUFFIX, dir=directory
+    )
+    with os.fdopen(fd, "w") as f:  # mkstemp: readable by its owner only
+        f.write(secret)
+    return path
+
+
+def remove_orphan_secret_files(directory: str) -> None:
+    """Remove this user's secret files whose writing process no longer runs."""
+    for path in Path(directory).glob(f"{SECRET_FILE_PREFIX}*{SECRET_FILE_SUFFIX}"):
+        parts = path.name[: -len(SECRET_FILE_SUFFIX)].rsplit(".", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue  # not named by write_secret_file
+        try:
+            if path.stat().st_uid != os.getuid() or _running(int(parts[1])):
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue  # removed meanwhile (its own actor, or another engine's sweep)
+        logger.info("removed the KV secret file %s left by a process that is gone", path.name)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
 class EngineActor:
     role = "aggregated"
 
@@ -59,13 +104,9 @@ class EngineActor:
         self._start_lock = asyncio.Lock()
 
     def _node_kv_settings(self, kv: dict[str, Any], secret: str, engine_id: str) -> dict[str, Any]:
-        """Node-local parts of the KV settings (KVTransferSettings fields): the secret file
-        (named after its engine, `<cluster>-<replica>`, while it exists), the address peers dial."""
-        fd, path = tempfile.mkstemp(prefix=f"pdcluster-kv-{engine_id}-", suffix=".secret")
-        with os.fdopen(fd, "w") as f:
-            f.write(secret)
-        os.chmod(path, 0o600)
-        self._secret_path = kv["secret_file"] = path
+        """Node-local parts of the KV settings (KVTransferSettings fields): the secret file, the
+        address peers dial."""
+        self._secret_path = kv["secret_file"] = write_secret_file(engine_id, secret)
         if binds_every_address(kv.get("bind_host", "127.0.0.1")) and not kv.get("advertise_host"):
             kv["advertise_host"] = node_ip()
         return kv
