@@ -372,6 +372,27 @@ def test_huge_body_is_refused_and_cluster_keeps_serving(cluster, client):
     assert client.completions.create(model=NAME, prompt="import sys\n", max_tokens=4).choices[0].text is not None
 
 
+def test_kv_controls_in_vllm_xargs_are_refused_and_no_engine_is_hurt(cluster, client):
+    """vLLM reads kv_transfer_params and the KV cache report mode from a request's vllm_xargs
+    too: a client's would reach an engine's KV connector past the router's own check (a string
+    there stops the engine core). Refused, on the P/D path and on decode's own (n > 1), and every
+    replica serves on, the same processes."""
+    ready = cluster.wait_status(lambda s: all(r["state"] == "ready" for r in s["replicas"]), 300, "every replica ready")
+    before = {r["replica"]: r["pid"] for r in ready["replicas"]}
+    for xargs in (
+        {"kv_transfer_params": "x"},
+        {"kv_transfer_params": {"do_remote_prefill": 1}},
+        {"kv_cache_report_mode": "full"},
+    ):
+        for n in (1, 2):
+            body = {"model": NAME, "prompt": "import os\n", "max_tokens": 4, "n": n, "vllm_xargs": xargs}
+            assert_openai_error(post(cluster, "/v1/completions", json_body=body), 400)
+    for n in (1, 2):
+        assert len(client.completions.create(model=NAME, prompt="import sys\n", max_tokens=4, n=n).choices) == n
+    after = cluster.status()["replicas"]
+    assert {r["replica"]: r["pid"] for r in after} == before and all(r["state"] == "ready" for r in after)
+
+
 def test_missing_max_tokens_uses_the_default(cluster):
     response = post(cluster, "/v1/completions", json_body={"model": NAME, "prompt": "import os\n"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1

@@ -66,6 +66,10 @@ async def _post_raw(router: Router, content: bytes) -> httpx.Response:
         (b'{"model": "tiny", "prompt": "x", "stream": true, "min_tokens": "3"}', "'min_tokens' must be"),
         (b'{"model": "tiny", "prompt": "x", "min_tokens": 10, "max_tokens": 5}', "must not exceed the output limit"),
         (b'{"model": "tiny", "prompt": "x", "stream": true, "stream_options": true}', "'stream_options' must be"),
+        # KV controls vLLM reads from extra_args, past the router's own kv_transfer_params check
+        (b'{"model": "tiny", "prompt": "x", "vllm_xargs": {"kv_transfer_params": "x"}}', "set by the cluster"),
+        (b'{"model": "tiny", "prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "full"}}', "set by the cluster"),
+        (b'{"model": "tiny", "prompt": "x", "vllm_xargs": [1]}', "'vllm_xargs' must be an object"),
     ],
 )
 def test_deep_nesting_and_huge_numbers_are_400_not_500(content, needle):

@@ -118,6 +118,14 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+# Keys of vllm_xargs (a request's extra_args) that vLLM's engine reads as KV controls
+# (vllm/v1/request.py), bypassing the check on kv_transfer_params above: transfer params would reach
+# the engines' KV connectors unchecked (a string there stops the engine core), and a "full" KV cache
+# report mode re-publishes each prefix-cache hit as blocks stored, which the router's cache index
+# would count as held after their eviction.
+RESERVED_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
+
+
 def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
     model = body.get("model")
     if model is None:
@@ -160,6 +168,12 @@ def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
         raise BadRequest("'stream_options' must be an object.", param="stream_options")
     if "kv_transfer_params" in body:
         raise BadRequest("'kv_transfer_params' is set by the router, not by clients.", param="kv_transfer_params")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise BadRequest("'vllm_xargs' must be an object.", param="vllm_xargs")
+    for key in RESERVED_XARGS:
+        if key in (xargs or {}):
+            raise BadRequest(f"'vllm_xargs.{key}' is set by the cluster, not by clients.", param="vllm_xargs")
     if kind == "completions":
         prompt = body.get("prompt")
         if prompt is None:
