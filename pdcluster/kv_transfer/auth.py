@@ -134,7 +134,9 @@ class ServerAuth:
         """The session a call's `session.seq.mac` token proves, for `method`."""
         session_id, _, rest = token.partition(".")
         seq_text, _, presented = rest.partition(".")
-        if not (session_id and seq_text.isdigit() and presented):
+        # A client counts its calls from 0: 19 digits outlast any session (and int() takes no
+        # more than 4300: a longer one raised past this check).
+        if not (session_id and seq_text.isascii() and seq_text.isdigit() and len(seq_text) <= 19 and presented):
             raise AuthRefused("missing or malformed KV credentials")
         with self._lock:
             session = self._sessions.get(session_id)

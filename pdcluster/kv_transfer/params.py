@@ -89,7 +89,9 @@ class KVParams:
     def verify(self, key: bytes) -> bool:
         """True when a producer of this cluster signed exactly these params."""
         expected = mac(key, "pdcluster-kv-params", self._signed_text()).hex()
-        return bool(self.signature) and hmac.compare_digest(self.signature, expected)
+        # As bytes: compare_digest refuses a str with other than ASCII characters (TypeError),
+        # and these params come from a request: a raise here would stop the engine's step.
+        return bool(self.signature) and hmac.compare_digest(self.signature.encode(), expected.encode())
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -106,6 +106,20 @@ def test_replayed_or_misdirected_call_credentials_are_refused(server):
     assert len(producer.leases) == 1  # nothing was released
 
 
+def test_a_call_sequence_number_too_long_for_an_int_is_refused_as_malformed(server):
+    """The session id travels in clear; a sequence number of more digits than int() takes
+    (4300) was a ValueError: an UNKNOWN status and a traceback in the producer's log."""
+    _, srv = server
+    handshake = pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, engine_id="decode-0").SerializeToString()
+    with grpc.insecure_channel(srv.address) as channel:
+        _, session = open_session(channel)
+        session_id = session.token("Handshake").split(".")[0]
+        token = f"{session_id}.{'9' * 4301}.x"
+        call = stub(channel, "Handshake", pb.HandshakeResponse.FromString)
+        code, details = code_of(lambda: call(handshake, metadata=((AUTH_METADATA_KEY, token),), timeout=5))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "malformed" in details
+
+
 def test_requests_are_small_and_unparsed_until_authenticated(server):
     """The server takes no message over CONTROL_LIMIT; garbage without credentials is refused
     as unauthenticated, not parsed (the same garbage with a session is a parse error)."""

@@ -207,8 +207,9 @@ def test_every_engine_port_requires_the_engine_key(engines, name):
 
 
 def test_forged_params_dial_nothing_and_are_recomputed_or_refused(engines):
-    """Params a prefill signed, pointed at another endpoint (or stripped of the signature), make
-    decode dial nothing: recomputed under `recompute`, a 502 naming why under `fail`."""
+    """Params a prefill signed, pointed at another endpoint (or stripped of the signature, or with
+    one that is not hex), make decode dial nothing: recomputed under `recompute`, a 502 naming why
+    under `fail`."""
     prompt = token_prompt(3 * BLOCK + 5, offset=909)
     expected = greedy(complete(engines["agg"], prompt, 6))
     first = complete(engines["prefill"], prompt, 1, kv_transfer_params={"do_remote_decode": True})
@@ -220,10 +221,13 @@ def test_forged_params_dial_nothing_and_are_recomputed_or_refused(engines):
         forged = {**real, "remote_endpoints": [f"127.0.0.1:{trap.getsockname()[1]}"]}
         unsigned = {key: value for key, value in real.items() if key != "remote_signature"}
         recomputed = complete(engines["decode"], prompt, 6, kv_transfer_params=forged)
+        garbled = {**real, "remote_signature": "é" * 64}  # not hex digits, not even ASCII
+        recomputed_too = complete(engines["decode"], prompt, 6, kv_transfer_params=garbled)
         refused = complete(engines["decode-mismatch"], prompt, 6, kv_transfer_params=unsigned)
         with pytest.raises(BlockingIOError):
             trap.accept()  # nobody dialed the endpoint the forged params named
     assert_same(expected, recomputed)
+    assert_same(expected, recomputed_too)
     assert refused.status_code == 502, refused.text
     assert "not signed by a prefill of this cluster" in refused.json()["error"]["message"]
     # The real lease is untouched by either: its own decode still pulls it.
