@@ -7,8 +7,9 @@ Life of a lease (one per prefill request whose KV a decode engine will pull):
 The worker reports RELEASED leases to vLLM as `finished_sending`, which frees the blocks. A pull
 that arrives before the worker learned about the lease waits on a condition (bounded), never on a
 sleep; a pull for a lease that already ended (expired or released) fails at once: the table
-remembers the last ENDED_MEMORY ended request ids. Every path ends in RELEASED: confirmation,
-failed pull + release, or expiry.
+remembers the last ENDED_MEMORY ended request ids. A release that comes before its lease is
+filed is kept (as many): the lease ends as it is filed. Every path ends in RELEASED:
+confirmation, failed pull + release, or expiry.
 
 A lease may also be filed under a key (a decode request admitted ahead of its prefill looks it
 up by that key, never knowing the producer's request id): `handouts` answers, for a set of keys,
@@ -68,6 +69,9 @@ class LeaseTable:
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> how its lease ended
         self._by_key: dict[str, Lease] = {}
         self._ended_handouts: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> handout
+        # Released before it was filed (its worker hears of a lease a step after the scheduler
+        # signed it, where they are apart): request id -> transferred; it ends once filed.
+        self._released_early: OrderedDict[str, bool] = OrderedDict()
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
@@ -95,6 +99,9 @@ class LeaseTable:
             self._leases[request_id] = lease
             if key and handout is not None:
                 self._by_key[key] = lease
+            if request_id in self._released_early:
+                lease.release_requested, lease.transferred = True, self._released_early.pop(request_id)
+                self._finish(lease)
             if wake:
                 self._cond.notify_all()
 
@@ -171,9 +178,15 @@ class LeaseTable:
         return renewed
 
     def release(self, request_id: str, transferred: bool) -> bool:
-        """The consumer is done with the blocks. False when no such lease is held."""
+        """The consumer is done with the blocks. False when the lease already ended; one not yet
+        filed ends as it is filed."""
         with self._cond:
             lease = self._leases.get(request_id)
+            if lease is None and request_id not in self._ended:
+                self._released_early[request_id] = transferred
+                while len(self._released_early) > ENDED_MEMORY:
+                    self._released_early.popitem(last=False)
+                return True
             if lease is None or lease.state == LeaseState.RELEASED or lease.release_requested:
                 return False
             lease.release_requested = True

@@ -131,8 +131,9 @@ def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool, 
         # A plain callable sink never offers the cache for direct copies: the shm ring is used.
         sink = CacheSink(scatterer) if direct else scatterer.write
         nbytes = client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=20)
-        # A release of a lease nobody holds (answered False): every control call gets exercised.
-        assert not client.release(request_id + "-unheld", transferred=False, engine_id="decode-0", timeout_s=5)
+        # A release of a lease not filed yet (kept for when it is: answered True): every control
+        # call gets exercised.
+        assert client.release(request_id + "-unfiled", transferred=False, engine_id="decode-0", timeout_s=5)
     finally:
         client.close()
     return consumer, nbytes

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from pdcluster.errors import AuthenticationError, HandshakeError, LeaseNotFoundError
+from pdcluster.errors import AuthenticationError, HandshakeError, LeaseExpiredError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION, layout_digest
 from pdcluster.kv_transfer.settings import KVTransferSettings
@@ -57,6 +57,26 @@ def test_pull_copies_blocks_and_release_frees_the_lease(producer_server):
         assert torch.equal(dst[dst_ids], src[src_ids])
     finished = producer.leases.collect_finished()
     assert [(lease.request_id, lease.expired, lease.transferred) for lease in finished] == [("req-1", False, True)]
+
+
+def test_a_release_that_comes_before_its_lease_is_filed_ends_the_lease_once_filed(producer_server):
+    """Where the producer's worker hears of a lease a step after its scheduler signed it (a
+    worker process of its own, async scheduling), decode may release it first (a full local
+    prefix hit, a request dropped before its pull): the release is kept, and the lease ends the
+    moment it is filed instead of holding its blocks until it expires."""
+    producer, server, transport = producer_server
+    client = transport.connect(server.address)
+    try:
+        client.handshake(make_cache(fill="zeros").layout, "decode-0")
+        assert client.release("req-early", transferred=False, engine_id="decode-0", timeout_s=5)
+    finally:
+        client.close()
+    producer.leases.add("req-early", [4, 5], time.monotonic() + 600)  # the worker's next step
+    finished = producer.leases.collect_finished()
+    assert [(lease.request_id, lease.expired, lease.transferred) for lease in finished] == [("req-early", False, False)]
+    assert len(producer.leases) == 0
+    with pytest.raises(LeaseExpiredError):
+        producer.leases.acquire("req-early", [4, 5], wait_s=0)
 
 
 def test_pull_may_ask_for_a_suffix_of_the_lease(producer_server):
