@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
 import threading
+
+from pdcluster.pidfds import exited
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def die_with_parent() -> bool:
 
 
 def _watch(pidfd: int, parent: int) -> None:
-    select.select([pidfd], [], [])  # readable once the parent process has exited
+    exited(pidfd, None)  # returns once the parent process has exited
     _end(parent)
 
 

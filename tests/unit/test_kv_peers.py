@@ -265,3 +265,49 @@ def test_a_new_session_unmaps_the_segments_of_the_producer_that_forgot_us(produc
         assert client._segments == {}
     finally:
         client.close()
+
+
+def test_the_peer_registry_works_with_descriptors_past_1024():
+    """A producer process with many descriptors open (an unauthenticated peer can hold idle
+    connections to its KV port; Ray raises the limit): select() refused descriptors past 1024,
+    which ended the peer socket's thread for good and made every direct pull's liveness check
+    raise. The registry proves, registers, looks up and notices an exit at any descriptor."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine's open-file limit ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    registry = peers.PeerRegistry("fds")
+    consumer = (  # proves itself, then holds its connection until its stdin closes
+        "import sys; from pdcluster.kv_transfer.transports import peers\n"
+        "sock, token = peers.prove(sys.argv[1], 10); print(token, flush=True); sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", consumer, registry.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        token = child.stdout.readline().strip()
+        rid = registry.register(token, child.pid, "session", [(4096, 4096, 1024)])
+        assert registry.lookup(rid, "session", child.pid).pidfd > 1024
+        child.stdin.close()  # the consumer exits: its connection closes
+        assert peers.wait_exit(child.pid, 30)
+        deadline = time.monotonic() + 10
+        while True:  # the socket's thread notices, and the registration ends
+            with pytest.raises(peers.PeerRefused, match="exited|unknown") as refused:
+                registry.lookup(rid, "session", child.pid)
+            if "unknown" in str(refused.value):
+                break
+            assert time.monotonic() < deadline, "the closed connection was not noticed"
+            time.sleep(0.01)  # poll interval
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        registry.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

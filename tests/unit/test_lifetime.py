@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from tests.support.engines import REPO
 
@@ -31,14 +32,27 @@ time.sleep(600)
 """
 
 
-def start_host(code: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, psutil.Process, str]:
-    host = subprocess.Popen([sys.executable, "-c", code, CHILD], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+def start_host(
+    code: str, env: dict[str, str] | None = None, child: str = CHILD
+) -> tuple[subprocess.Popen, psutil.Process, str]:
+    host = subprocess.Popen([sys.executable, "-c", code, child], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
     pid, armed = host.stdout.readline().split()
     return host, psutil.Process(int(pid)), armed
 
 
-def test_a_killed_hosts_engine_processes_exit():
-    host, child, armed = start_host(HOST)
+# The same child with 1100 descriptors open before it arms the watch (its pidfd past 1024, where
+# select() refused it: the watch's thread died and the child outlived its host).
+MANY_FDS_CHILD = (
+    "import os, resource\n"
+    "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1200)), hard))\n"
+    "held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]\n" + CHILD
+)
+
+
+@pytest.mark.parametrize("child_code", [CHILD, MANY_FDS_CHILD], ids=["few-fds", "fds-past-1024"])
+def test_a_killed_hosts_engine_processes_exit(child_code):
+    host, child, armed = start_host(HOST, child=child_code)
     assert armed == "True"
     host.send_signal(signal.SIGKILL)
     host.wait(10)

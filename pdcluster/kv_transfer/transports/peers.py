@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdcluster.logs import WarnOnce
+from pdcluster.pidfds import exited
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,7 @@ class Registration:
 
     def alive(self) -> bool:
         """False once the registered process exited (its pidfd became readable)."""
-        ready, _, _ = select.select([self.pidfd], [], [], 0)
-        return not ready
+        return not exited(self.pidfd)
 
     def destinations(self, block_ids: Sequence[int], layers: range) -> list[int]:
         """Addresses of layer `layers` in the registered regions (refused if a block is outside)."""
@@ -82,27 +82,31 @@ class PeerRegistry:
     # -- the socket: a thread accepts, answers tokens, and notices closed connections --------
 
     def _serve(self) -> None:
-        connections: list[socket.socket] = []
-        while not self._closed:
-            try:
-                readable, _, _ = select.select([self._listener, *connections], [], [], 0.5)
-            except (OSError, ValueError):
-                break  # closed under us
-            for sock in readable:
-                if sock is self._listener:
-                    conn = self._accept()
-                    if conn is not None:
-                        connections.append(conn)
-                    continue
+        # poll/epoll, not select(): a descriptor past 1024 (a process holding many) is refused there
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            while not self._closed:
                 try:
-                    data = sock.recv(64)
-                except OSError:
-                    data = b""
-                if not data:  # the consumer closed it (or exited): its registration ends
-                    connections.remove(sock)
-                    self._forget(sock)
-        for sock in connections:
-            sock.close()
+                    ready = selector.select(0.5)
+                except (OSError, ValueError):
+                    break  # closed under us
+                for key, _ in ready:
+                    sock = key.fileobj
+                    if sock is self._listener:
+                        conn = self._accept()
+                        if conn is not None:
+                            selector.register(conn, selectors.EVENT_READ)
+                        continue
+                    try:
+                        data = sock.recv(64)
+                    except OSError:
+                        data = b""
+                    if not data:  # the consumer closed it (or exited): its registration ends
+                        selector.unregister(sock)
+                        self._forget(sock)
+            for key in list(selector.get_map().values()):
+                if key.fileobj is not self._listener:
+                    key.fileobj.close()
 
     def _accept(self) -> socket.socket | None:
         try:
@@ -210,7 +214,6 @@ def wait_exit(pid: int, timeout_s: float) -> bool:
     except OSError:
         return False
     try:
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-        return bool(ready)
+        return exited(pidfd, timeout_s)
     finally:
         os.close(pidfd)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import select
 import socket
 import threading
 import time
@@ -60,6 +59,7 @@ from pdcluster.kv_transfer.transports.grpc_transport import (
 )
 from pdcluster.kv_transfer.transports.segments import Segment
 from pdcluster.kv_transfer.transports.shm_server import ShmExtension
+from pdcluster.pidfds import exited
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -128,8 +128,7 @@ class ShmClient(GrpcClient):
             watched = self._peer_process
             if watched is None or watched[0] != pid:
                 return False
-            ready, _, _ = select.select([watched[1]], [], [], 0)
-            return not ready
+            return not exited(watched[1])
 
     def pull(
         self,
