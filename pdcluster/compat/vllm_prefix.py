@@ -27,18 +27,19 @@ def external_hash(value: bytes | int) -> int:
     return int.from_bytes(value, "big") & LOW_64_BITS
 
 
-def block_hasher(algo: str) -> Callable[[Sequence[int], int], list[int]]:
-    """`hash_prompt(token_ids, block_size)`: the external hashes of the prompt's full blocks, in
-    order, as an engine using prefix_caching_hash_algo `algo` computes them.
+def block_hasher(algo: str) -> Callable[..., list[int]]:
+    """`hash_prompt(token_ids, block_size, cache_salt=None)`: the external hashes of the prompt's
+    full blocks, in order, as an engine using prefix_caching_hash_algo `algo` computes them.
 
     Upstream: `kv_cache_utils.hash_block_tokens(hash_function, parent_block_hash,
     curr_block_token_ids, extra_keys)` (the chained block hash), `resolve_none_hash_seed` (the
     first block's parent: a fixed seed for cryptographic algorithms, PYTHONHASHSEED when set,
     random per process for xxhash) and `vllm.utils.hashing.get_hash_fn_by_name`. Why: the hashes
     must be the engine's own. The first block's parent is passed explicitly, so this process's
-    `NONE_HASH` global is neither read nor set. Requests with LoRA, multimodal inputs, a
-    cache_salt or prompt embeddings add extra keys the router does not know: their hashes differ
-    and they simply match nothing."""
+    `NONE_HASH` global is neither read nor set. A request's cache_salt is the first block's extra
+    key, as `generate_block_hash_extra_keys` adds it (`("cache_salt", salt)`, first block only).
+    The router computes ids only for prompts without LoRA, multimodal inputs or prompt embeddings
+    (the other extra keys)."""
     hash_tokens = resolve(KV_CACHE_UTILS, "hash_block_tokens")
     expect_parameters(
         hash_tokens,
@@ -50,10 +51,11 @@ def block_hasher(algo: str) -> Callable[[Sequence[int], int], list[int]]:
     hash_fn: Callable[[Any], bytes] = resolve("vllm.utils.hashing", "get_hash_fn_by_name")(algo)
     root = hash_fn(seed_of(hash_fn))
 
-    def hash_prompt(token_ids: Sequence[int], block_size: int) -> list[int]:
+    def hash_prompt(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
         hashes, parent = [], root
         for start in range(0, len(token_ids) - block_size + 1, block_size):
-            parent = hash_tokens(hash_fn, parent, token_ids[start : start + block_size], None)
+            extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+            parent = hash_tokens(hash_fn, parent, token_ids[start : start + block_size], extra)
             hashes.append(external_hash(parent))
         return hashes
 

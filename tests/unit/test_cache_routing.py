@@ -11,7 +11,13 @@ import pytest
 from pdcluster import compat
 from pdcluster.orchestrator.policies import CacheAware, ReplicaLoad
 from pdcluster.orchestrator.router import Router, RouterSettings
-from pdcluster.orchestrator.router.cache_index import HISTORY_ONLY, CacheIndex, Prompt, history_hashes
+from pdcluster.orchestrator.router.cache_index import (
+    HISTORY_ONLY,
+    CacheIndex,
+    Prompt,
+    ReplicaCache,
+    history_hashes,
+)
 from tests.unit.replica_stand_ins import ENGINE_TOKEN, StandIn, decode_answer, post, prefill_answer, row, running
 
 
@@ -207,3 +213,41 @@ def test_history_alone_imports_no_vllm_hasher_and_an_engine_snapshot_brings_vllm
     prompt = list(range(100, 180))
     assert history_hashes(prompt, 16) == history_hashes(prompt + [7, 8, 9], 16)[:5]
     assert len(set(history_hashes(prompt, 16))) == 5 and history_hashes(prompt[:15], 16) == []
+
+
+def test_a_salted_prompt_hashes_as_the_engine_does_and_matches_only_its_own_salt():
+    """vLLM folds a request's cache_salt into its first block's hash: the router hashes it the
+    same (checked against vLLM's own request block hasher), so a salted request is predicted no
+    hit on blocks of the same prompt unsalted or under another salt (before: the router left the
+    salt out and predicted the unsalted copy's hit, which the engine never gives)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from pdcluster.compat.vllm_prefix import external_hash
+
+    ids = list(range(300, 300 + 3 * 128))
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(128, hash_fn)
+    engine = Request("r", ids, SamplingParams(max_tokens=1), None, cache_salt="tenant-a", block_hasher=hasher)
+    router_hashes = compat.block_hasher("sha256")(ids, 128, "tenant-a")
+    assert router_hashes == [external_hash(h) for h in engine.block_hashes]
+    assert router_hashes[1:] != compat.block_hasher("sha256")(ids, 128)[1:]  # the salt changes the whole chain
+
+    async def scenario():
+        index = CacheIndex()
+        index._learn(HISTORY_ONLY, provisional=True)  # the router's history (no events here)
+        index.replicas["prefill-0"] = ReplicaCache("prefill-0", events=False)
+        held = {}
+        for salt in (None, "tenant-a", "tenant-b"):
+            prompt = Prompt(ids + [1], len(ids) + 1, cache_salt=salt)
+            await index.prepare(prompt)
+            held[salt] = index.cached_tokens("prefill-0", prompt)
+            index.sent("prefill-0", prompt)
+            await index.prepare(again := Prompt(ids + [2], len(ids) + 1, cache_salt=salt))
+            assert index.cached_tokens("prefill-0", again) == len(ids)  # its own salt: a hit
+        return held
+
+    assert asyncio.run(scenario()) == {None: 0, "tenant-a": 0, "tenant-b": 0}

@@ -42,11 +42,12 @@ INLINE_HASH_TOKENS = 4096  # longer prompts are hashed off the event loop
 HISTORY_ONLY = {"block_size": 16, "hash_algo": "history"}  # no engine's: history_hashes below
 
 
-def history_hashes(token_ids: list[int], block_size: int) -> list[int]:
+def history_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[int]:
     """Chained hashes of the prompt's full blocks for matching the router's own request history
     (while no replica publishes events): only compared with each other, so any stable chained
-    hash serves, and vLLM's (which costs a vLLM import) is not needed."""
-    hashes, parent = [], b""
+    hash serves, and vLLM's (which costs a vLLM import) is not needed. A cache_salt starts the
+    chain (as the engine's, its blocks match only the same salt's)."""
+    hashes, parent = [], hashlib.sha256(cache_salt.encode()).digest() if cache_salt else b""
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hashlib.sha256(parent + array("q", token_ids[start : start + block_size]).tobytes()).digest()
         hashes.append(int.from_bytes(parent[:8], "little"))
@@ -63,6 +64,7 @@ class Prompt:
     count: int
     hashes: list[int] = field(default_factory=list)
     block_size: int = 0
+    cache_salt: str | None = None  # the request's: part of its first block's hash
 
     def cached_cap(self, blocks: int, drops_last_block: bool = False) -> int:
         """Prompt tokens an engine holding `blocks` leading blocks would not compute, as vLLM's
@@ -146,7 +148,7 @@ class CacheIndex:
         self.block_size = 0  # the cluster's (KV-compatible engines share it), from a snapshot
         self.hash_algo = ""
         self._provisional = False  # block size and algorithm are HISTORY_ONLY's, not an engine's
-        self._hasher: Callable[[list[int], int], list[int]] | None = None
+        self._hasher: Callable[..., list[int]] | None = None  # (ids, block size, cache salt) -> hashes
         self._hasher_loading: asyncio.Future | None = None
         self.http: httpx.AsyncClient | None = None  # the router's client: it carries the engine key
 
@@ -249,9 +251,9 @@ class CacheIndex:
             return
         prompt.block_size = self.block_size
         if len(prompt.ids) <= INLINE_HASH_TOKENS:
-            prompt.hashes = self._hasher(prompt.ids, self.block_size)
+            prompt.hashes = self._hasher(prompt.ids, self.block_size, prompt.cache_salt)
         else:
-            prompt.hashes = await asyncio.to_thread(self._hasher, prompt.ids, self.block_size)
+            prompt.hashes = await asyncio.to_thread(self._hasher, prompt.ids, self.block_size, prompt.cache_salt)
 
     def cached_tokens(self, replica_id: str, prompt: Prompt | None) -> int:
         """Tokens of `prompt` the replica would not compute (its prefix-cache hit)."""

@@ -234,7 +234,8 @@ class PromptTokens:
     async def prompt(self, body: dict[str, Any], kind: str) -> Prompt:
         ids = await self.ids(body, kind)
         if ids is not None:
-            return Prompt(ids, len(ids))
+            salt = body.get("cache_salt")
+            return Prompt(ids, len(ids), cache_salt=salt if isinstance(salt, str) and salt else None)
         return Prompt(None, await self.count(body, kind))
 
     async def ids(self, body: dict[str, Any], kind: str) -> list[int] | None:
