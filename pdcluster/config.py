@@ -387,6 +387,11 @@ class ClusterConfig(_Model):
         if self.autoscale.enabled:
             if self.mode != "disaggregated":
                 raise ValueError("autoscale.enabled: the planner sizes prefill and decode (disaggregated mode)")
+            if self.autoscale.decode.min < 1:
+                raise ValueError(
+                    "autoscale.decode.min: must be ≥ 1 (with no decode replica no request is served, "
+                    "so none would show the planner the need for one)"
+                )
             for role in ("prefill", "decode"):
                 bounds, replicas = getattr(self.autoscale, role), self.role(role).replicas
                 if not bounds.min <= replicas <= bounds.max:

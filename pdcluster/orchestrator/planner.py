@@ -11,15 +11,18 @@ cache usage (the highest replica's), and replicas ready / starting / draining.
 
 Rules, in order (the first that holds for `hysteresis` intervals in a row acts):
   1. prefill: TTFT p90 misses its target while prompts queue on prefill (a prefill engine has
-     waiting requests, or the prefill phase alone takes half the TTFT target or more): add one.
+     waiting requests, or the prefill phase alone takes half the TTFT target or more), or with
+     no prefill replica (decode computes the prompts): add one.
   2. decode: ITL p90 misses its target, or decode KV usage reaches `kv_high`: add one.
   3. both targets met with margin (p90 ≤ (1 - margin) x target; no traffic counts as met):
      remove one from the role with more slack, never below its min.
 A role at its max stays there. A role that must grow while the replicas add up to the budget
 takes one from the other role when that role is above its min and its own target is met with
 margin: the planner drains one there, then starts one here ("move"). Nothing acts within
-`cooldown` of the last action, nor while a replica is still starting or draining (the last
-action has not landed yet), and a role no node can place is reported, not retried in a loop.
+`cooldown` of the last action landing (its replica ready or gone: the window then holds samples
+of the new size), nor while a replica is still starting or draining, and a role no node can place
+is reported, not retried in a loop. A rule held by a bound (a role at its max, the budget) lets
+the next rule act.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Decision:
     actions: tuple[tuple[str, str], ...] = ()  # (role, "add" | "remove")
     desired: dict[str, int] = field(default_factory=dict)
     role: str = ""  # the role the rule is about ("" when none is)
+    blocked: bool = False  # a hold by a bound (max, budget): the next rule may still act
 
 
 @dataclass
@@ -93,13 +97,19 @@ class Planner:
     last_action_at: float = float("-inf")
     streaks: dict[str, int] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)  # unplaceable roles told once
+    # The last snapshot with a replica starting or draining: the cooldown counts from when the
+    # last change landed, not from when it was asked for (a start may outlast the cooldown).
+    settling_seen_at: float = float("-inf")
 
     def decide(self, snap: Snapshot) -> Decision:
         lim = self.limits
         size = {role: snap.roles[role].ready + snap.roles[role].starting for role in ROLES}
         ttft_miss = snap.ttft_p90_s is not None and snap.ttft_p90_s > lim.ttft_p90_s
-        prefill_queues = snap.roles["prefill"].waiting > 0 or (
-            snap.prefill_phase_p90_s is not None and snap.prefill_phase_p90_s >= PREFILL_SHARE * lim.ttft_p90_s
+        # With no prefill replica decode computes every prompt: a TTFT miss is prefill work too.
+        prefill_queues = (
+            size["prefill"] == 0
+            or snap.roles["prefill"].waiting > 0
+            or (snap.prefill_phase_p90_s is not None and snap.prefill_phase_p90_s >= PREFILL_SHARE * lim.ttft_p90_s)
         )
         itl_miss = snap.itl_p90_s is not None and snap.itl_p90_s > lim.itl_p90_s
         kv_full = snap.roles["decode"].kv_usage >= lim.kv_high
@@ -131,13 +141,18 @@ class Planner:
         fired = {rule for rule, _, _ in candidates}
         self.streaks = {rule: self.streaks.get(rule, 0) + 1 for rule in fired}
         desired = dict(size)
+        if any(v.settling for v in snap.roles.values()):
+            self.settling_seen_at = snap.now
+        bound: Decision | None = None
         for rule, role, why in candidates:
             if self.streaks[rule] < lim.hysteresis:
                 continue
             decision = self._act(snap, rule, role, why, size, slack, desired)
-            if decision is not None:
+            if decision is not None and decision.blocked:
+                bound = bound or decision  # the next rule may still act (a prefill at its max: add decode)
+            elif decision is not None:
                 return decision
-        return Decision("hold", _holding(candidates, self.streaks, lim.hysteresis), desired=desired)
+        return bound or Decision("hold", _holding(candidates, self.streaks, lim.hysteresis), desired=desired)
 
     def _act(self, snap, rule, role, why, size, slack, desired) -> Decision | None:
         lim = self.limits
@@ -149,14 +164,16 @@ class Planner:
                     return None
             actions = ((role, "remove"),)
         elif size[role] >= lim.max_replicas[role]:
-            return Decision("hold", f"{why}, but {role} is at its max ({lim.max_replicas[role]})", desired=desired)
+            return Decision(
+                "hold", f"{why}, but {role} is at its max ({lim.max_replicas[role]})", desired=desired, blocked=True
+            )
         elif sum(size.values()) < lim.budget:
             actions = ((role, "add"),)
         elif size[other] > lim.min_replicas[other] and slack[other] is not None:
             actions, rule = ((other, "remove"), (role, "add")), f"move_to_{role}"
             why += f"; budget of {lim.budget} reached, {other} has slack"
         else:
-            return Decision("hold", f"{why}, but the budget of {lim.budget} is reached", desired=desired)
+            return Decision("hold", f"{why}, but the budget of {lim.budget} is reached", desired=desired, blocked=True)
         if any(act == "add" and snap.roles[r].unplaceable for r, act in actions):
             first = role not in self.reported
             self.reported.add(role)
@@ -168,7 +185,7 @@ class Planner:
             desired[r] += 1 if act == "add" else -1
         if any(v.settling for v in snap.roles.values()):
             return Decision("hold", f"{why}; waiting for the last change to land", desired=desired)
-        if snap.now - self.last_action_at < lim.cooldown_s:
+        if snap.now - max(self.last_action_at, self.settling_seen_at) < lim.cooldown_s:
             return Decision("hold", f"{why}; cooling down", desired=desired)
         self.last_action_at = snap.now
         self.streaks.clear()

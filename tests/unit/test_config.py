@@ -93,6 +93,10 @@ def test_shipped_configs_are_valid(name):
         ),
         ({**BASE, "autoscale": {"budget": 1}}, "autoscale.budget: must be ≥ prefill.min + decode.min (2)"),
         (
+            {**BASE, "autoscale": {"enabled": True, "decode": {"min": 0, "max": 2}}},
+            "autoscale.decode.min: must be ≥ 1",
+        ),
+        (
             {**BASE, "mode": "aggregated", "roles": {"aggregated": {"replicas": 1}}, "autoscale": {"enabled": True}},
             "autoscale.enabled: the planner sizes prefill and decode",
         ),

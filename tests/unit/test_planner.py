@@ -103,7 +103,8 @@ def test_cooldown_and_changes_in_flight_hold_the_next_action():
     landed = RoleView(ready=2, waiting=4)
     cooling = run(planner, snap(20, ttft=2, prefill=landed), snap(25, ttft=2, prefill=landed))[-1]
     assert cooling.rule == "hold" and "cooling down" in cooling.reason
-    assert run(planner, snap(40, ttft=2, prefill=landed))[-1].actions == (("prefill", "add"),)
+    assert not run(planner, snap(40, ttft=2, prefill=landed))[-1].actions  # 25 s since it landed
+    assert run(planner, snap(45, ttft=2, prefill=landed))[-1].actions == (("prefill", "add"),)
 
 
 def test_max_and_budget_bound_growth_and_a_role_with_slack_gives_one_up():
@@ -131,3 +132,35 @@ def test_a_role_no_node_can_place_is_reported_once():
     assert not any(d.actions for d in decisions)
     placeable = replace(nowhere, unplaceable="")
     assert run(planner, snap(40, ttft=2, prefill=placeable))[-1].actions == (("prefill", "add"),)
+
+
+def test_a_role_at_its_max_lets_the_next_rule_act():
+    """Prefill at its max misses TTFT while decode misses ITL: decode is still added (the hold on
+    prefill's bound ended the decision before)."""
+    planner = Planner(replace(LIMITS, max_replicas={"prefill": 1, "decode": 3}))
+    queued = RoleView(ready=1, waiting=4)
+    decision = run(planner, *(snap(t, ttft=2, itl=0.09, prefill=queued) for t in (0, 5)))[-1]
+    assert decision.rule == "add_decode" and decision.actions == (("decode", "add"),)
+
+
+def test_the_cooldown_counts_from_when_the_last_change_landed():
+    """A replica that takes longer to start than the cooldown: once it is ready the planner waits a
+    cooldown more (the window then shows the new size), not acting on samples of the old one."""
+    planner = Planner(LIMITS)
+    queued = RoleView(ready=1, waiting=4)
+    assert run(planner, snap(0, ttft=2, prefill=queued), snap(5, ttft=2, prefill=queued))[-1].actions
+    starting = RoleView(ready=1, starting=1, waiting=4)
+    run(planner, *(snap(t, ttft=2, prefill=starting) for t in range(10, 200, 10)))
+    landed = RoleView(ready=2, waiting=4)
+    assert run(planner, snap(210, ttft=2, prefill=landed))[-1].rule == "hold"
+    assert "cooling down" in run(planner, snap(215, ttft=2, prefill=landed))[-1].reason
+    assert run(planner, snap(195 + LIMITS.cooldown_s, ttft=2, prefill=landed))[-1].actions == (("prefill", "add"),)
+
+
+def test_with_prefill_scaled_to_zero_a_ttft_miss_adds_prefill_again():
+    """At 0 prefill replicas (min 0) decode computes every prompt: no prefill queue or phase to
+    show, and a TTFT miss still brings a prefill replica back (it never did)."""
+    planner = Planner(replace(LIMITS, min_replicas={"prefill": 0, "decode": 1}))
+    none = RoleView(ready=0)
+    decision = run(planner, *(snap(t, ttft=2, phase=None, prefill=none) for t in (0, 5)))[-1]
+    assert decision.rule == "add_prefill" and decision.desired == {"prefill": 1, "decode": 1}
