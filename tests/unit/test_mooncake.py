@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError, TransferTimeoutError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
@@ -314,7 +314,59 @@ def test_a_read_past_its_deadline_is_reported_only_once_mooncake_ended_it():
     (it was given up a grace period after the deadline)."""
     engine = MooncakeEngine.__new__(MooncakeEngine)  # its batching and waiting, on the stand-in
     engine.engine, engine.transfer_timeout_s = EndingLate(pending_s=1.0), 2.0
-    engine._lock, engine._peers = threading.Lock(), {}
+    engine._lock, engine._peers, engine._wedged = threading.Lock(), {}, set()
     with pytest.raises(KVTransferError, match="failed"):
         engine.read("peer:1", [1], [2], [3], deadline=time.monotonic() + 0.1, grace_s=0.3)
     assert engine.engine.ended()
+
+
+class Released(EndingLate):
+    """A batch that stays pending, past Mooncake's own timeout, until the test lets it end."""
+
+    def __init__(self):
+        super().__init__(pending_s=0)
+        self.go, self.submitted = threading.Event(), 0
+
+    def batch_transfer_async_read(self, session, local, remote, lengths):
+        self.submitted += 1
+        return super().batch_transfer_async_read(session, local, remote, lengths)
+
+    def get_batch_transfer_status(self, batches):
+        return BATCH_PENDING if not self.go.is_set() else super().get_batch_transfer_status(batches)
+
+
+def test_a_read_mooncake_leaves_running_past_its_timeout_is_awaited_and_its_peer_gets_no_read():
+    """Mooncake's own timeout and the grace period pass with the batch still pending: the read
+    is not given up on (its bytes could still land in memory reused since), and until it ends its
+    peer gets no new read: another pull fails at once, submitting nothing; so does one that would
+    wait past its deadline behind a read in flight. Once it ends, the peer is read again."""
+    engine = MooncakeEngine.__new__(MooncakeEngine)
+    engine.engine, engine.transfer_timeout_s = Released(), 0.2
+    engine._lock, engine._peers, engine._wedged = threading.Lock(), {}, set()
+    errors: list[Exception] = []
+
+    def first() -> None:
+        try:
+            engine.read("peer:1", [1], [2], [3], deadline=time.monotonic() + 0.1, grace_s=0.1)
+        except KVTransferError as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=first)
+    reader.start()
+    with pytest.raises(TransferTimeoutError, match="held it past the pull's deadline"):
+        engine.read("peer:1", [1], [2], [3], deadline=time.monotonic() + 0.05, grace_s=0.1)
+    end = time.monotonic() + 20
+    while "peer:1" not in engine._wedged:
+        assert time.monotonic() < end, "the overdue read was not noticed"
+        time.sleep(0.01)  # poll interval
+    time.sleep(0.3)
+    assert reader.is_alive() and not errors  # awaited, well past its deadline and the timeout
+    with pytest.raises(KVTransferError, match="no read goes there until it ends"):
+        engine.read("peer:1", [1], [2], [3], deadline=time.monotonic() + 5, grace_s=0.1)
+    assert engine.engine.submitted == 1  # neither of the others submitted a batch
+    engine.engine.go.set()
+    reader.join(20)
+    assert len(errors) == 1 and "failed" in str(errors[0])
+    with pytest.raises(KVTransferError, match="failed"):  # read again (this stand-in fails every batch)
+        engine.read("peer:1", [1], [2], [3], deadline=time.monotonic() + 5, grace_s=0.1)
+    assert engine.engine.submitted == 2

@@ -111,6 +111,9 @@ class MooncakeEngine:
         self._registered: dict[tuple[int, int], set[object]] = {}
         self._lock = threading.Lock()
         self._peers: dict[str, threading.Lock] = {}  # one batch in flight per peer (MAX_BATCH)
+        # Peers with a batch Mooncake has not ended past its own timeout (and a grace period):
+        # no new read goes to them until it ends (see _read_batch).
+        self._wedged: set[str] = set()
         logger.info("Mooncake transfer engine %s (%s)", self.session, self.protocol)
 
     def register(self, regions: Sequence[tuple[int, int]], holder: object = None) -> None:
@@ -148,14 +151,23 @@ class MooncakeEngine:
         """Read each remote range of `session` into the local one at the same index, at most
         MAX_BATCH ranges in flight to that peer (from any thread); raises on failure or past
         `deadline`, but only once the batch in flight ended: its bytes may land until then, into
-        memory the caller reuses once this raises. A batch Mooncake has not ended by its own
-        transfer timeout (counted from its start) and `grace_s` more is given up on."""
+        memory the caller reuses once this raises. A read that would wait past `deadline` for the
+        peer's batch in flight, or a peer with a batch Mooncake left running past its own timeout,
+        fails at once: nothing was submitted."""
         with self._lock:
             peer = self._peers.setdefault(session, threading.Lock())
-        with peer:
+            if session in self._wedged:
+                raise KVTransferError(
+                    f"Mooncake has a read from {session} running past its transfer timeout: no read goes there until it ends"
+                )
+        if not peer.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TransferTimeoutError(f"an earlier Mooncake read from {session} held it past the pull's deadline")
+        try:
             for start in range(0, len(local), MAX_BATCH):
                 end = start + MAX_BATCH
                 self._read_batch(session, local[start:end], remote[start:end], lengths[start:end], deadline, grace_s)
+        finally:
+            peer.release()
 
     def _read_batch(
         self, session: str, local: list[int], remote: list[int], lengths: list[int], deadline: float, grace_s: float
@@ -165,19 +177,30 @@ class MooncakeEngine:
         if not batch:
             raise KVTransferError(f"Mooncake could not start a read from {session}")
         # Past the deadline the batch is still awaited, until Mooncake ends it (failed, by its own
-        # timeout at the latest): a read given up on earlier could still write its bytes later.
-        give_up = max(deadline, started + self.transfer_timeout_s) + grace_s
+        # timeout): a read given up on while in flight could still write its bytes into blocks
+        # vLLM has reused, or a landing buffer. One Mooncake leaves running past that timeout
+        # (and a grace period) keeps its memory, and its peer gets no read, until it ends.
+        overdue = started + self.transfer_timeout_s + grace_s
         wait, late = POLL_S[0], None
-        while (status := self.engine.get_batch_transfer_status([batch])) == BATCH_PENDING:
-            now = time.monotonic()
-            if late is None and now > deadline:
-                late = now
-            if now > give_up:
-                raise TransferTimeoutError(
-                    f"Mooncake read from {session} still running {now - deadline:.0f} s past its deadline"
-                )
-            time.sleep(wait)  # poll interval: the engine's status has no blocking wait
-            wait = min(wait * 2, POLL_S[1])
+        try:
+            while (status := self.engine.get_batch_transfer_status([batch])) == BATCH_PENDING:
+                now = time.monotonic()
+                if late is None and now > deadline:
+                    late = now
+                if now > overdue and session not in self._wedged:
+                    with self._lock:
+                        self._wedged.add(session)
+                    logger.error(
+                        "Mooncake read from %s still running %.0f s after it began, past Mooncake's transfer "
+                        "timeout: its memory stays reserved and the peer gets no read until it ends",
+                        session,
+                        now - started,
+                    )
+                time.sleep(wait)  # poll interval: the engine's status has no blocking wait
+                wait = min(wait * 2, POLL_S[1])
+        finally:
+            with self._lock:
+                self._wedged.discard(session)
         if status != 0:
             raise KVTransferError(f"Mooncake read of {sum(lengths)} bytes from {session} failed (status {status})")
         if late is not None:
