@@ -17,6 +17,9 @@ its key too. So a lookup costs a call per request and per lease found, not a cal
   engine's API process is asked to abort it (failures.report_failure with the request id); once
   the scheduler says it ended (`abandon`), its load is reported as failed, which frees its blocks
   (vLLM frees a request's blocks only once its load is reported).
+- ended before its lease was found (`abandon`; or before its blocks were allocated: `forsake`):
+  its prefill may still file a lease under its key. The key stays looked up, until its deadline,
+  and a lease that comes is released at once (not held by the producer until it expires).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class AheadPulls:
         self._release = release  # an unpulled lease back to its producer (no answer awaited)
         self._lock = threading.Lock()
         self._awaiting: dict[str, tuple[str, PullSpec]] = {}  # request id -> (endpoint, pull)
+        self._forsaken: dict[str, tuple[str, PullSpec]] = {}  # ended: its lease released if it comes
         self._given_up: set[str] = set()  # never found: load unreported until abandoned
         self._first_tokens: dict[str, int] = {}  # found, not yet told to the scheduler
         self._lookups: set[str] = set()  # endpoints with a lookup thread running
@@ -83,9 +87,28 @@ class AheadPulls:
             return
         with self._lock:
             self._awaiting[spec.request_id] = (endpoint, spec)
+        self._watch(endpoint)
+
+    def forsake(self, spec: PullSpec) -> None:
+        """A request admitted ahead ended before its blocks were allocated: release its lease if
+        its prefill still files one."""
+        assert spec.awaiting is not None
+        try:
+            endpoint = self._endpoint_for(spec.awaiting.voucher)
+        except KVTransferError:
+            return  # nothing this consumer would dial
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._forsaken[spec.request_id] = (endpoint, spec)
+        self._watch(endpoint)
+
+    def _watch(self, endpoint: str) -> None:
+        """Make the endpoint's lookup ask with the keys just added (starting it if none runs)."""
+        with self._lock:
             changed = self._changed.setdefault(endpoint, threading.Event())
             if endpoint in self._lookups:
-                changed.set()  # the running lookup asks again, with this key
+                changed.set()  # the running lookup asks again, with the new key
                 return
             self._lookups.add(endpoint)
         # A thread per producer awaited, for as long as a request awaits it: a lookup holds its
@@ -103,7 +126,10 @@ class AheadPulls:
         """The scheduler says an awaiting request ended: stop looking, and report its load (a
         request whose lease was found reports through its pull instead)."""
         with self._lock:
-            awaited = self._awaiting.pop(request_id, None) is not None
+            entry = self._awaiting.pop(request_id, None)
+            awaited = entry is not None
+            if awaited and not self._closed.is_set():
+                self._forsaken[request_id] = entry  # still looked up: its lease released if it comes
             given_up = request_id in self._given_up
             self._given_up.discard(request_id)
         if awaited:  # (one given up was logged then)
@@ -114,6 +140,7 @@ class AheadPulls:
     def shutdown(self) -> None:
         with self._lock:
             self._awaiting.clear()  # lookup threads end at their next turn
+            self._forsaken.clear()
             self._closed.set()
             for changed in self._changed.values():
                 changed.set()  # held lookups are cancelled
@@ -126,7 +153,8 @@ class AheadPulls:
             with self._lock:
                 changed.clear()  # before reading the keys: a key added after this cancels the call
                 waiting = {spec.awaiting.key: spec for ep, spec in self._awaiting.values() if ep == endpoint}
-                if not waiting:
+                forsaken = {spec.awaiting.key: spec for ep, spec in self._forsaken.values() if ep == endpoint}
+                if not waiting and not forsaken:
                     self._lookups.discard(endpoint)
                     return
             now = time.time()
@@ -134,6 +162,12 @@ class AheadPulls:
                 if now > spec.awaiting.deadline:
                     del waiting[key]
                     self._give_up(spec, "its prefill's lease did not come before the request's deadline")
+            for key, spec in list(forsaken.items()):
+                if now > spec.awaiting.deadline:  # no lease came while its request could have used it
+                    del forsaken[key]
+                    with self._lock:
+                        self._forsaken.pop(spec.request_id, None)
+            waiting.update(forsaken)
             if not waiting:
                 continue
             hold = min(LOOKUP_HOLD_S, min(spec.awaiting.deadline for spec in waiting.values()) - now)
@@ -145,6 +179,9 @@ class AheadPulls:
             except Exception as exc:  # noqa: BLE001 - runs on a lookup thread: nothing may escape unseen
                 for spec in waiting.values():
                     self._give_up(spec, f"looking its lease up on {endpoint} failed: {type(exc).__name__}: {exc}")
+                with self._lock:
+                    for spec in forsaken.values():  # an unreachable producer holds its leases to expiry
+                        self._forsaken.pop(spec.request_id, None)
                 continue
             if found is None:
                 continue  # cancelled: another key joined
@@ -155,7 +192,10 @@ class AheadPulls:
                 self._closed.wait(LOOKUP_RETRY_S)  # answered without a hold: ask again shortly
 
     def _found(self, spec: PullSpec, params_json: str, token: int) -> None:
-        """A lease came for an awaiting request: its first token to the scheduler, then its pull."""
+        """A lease came for an awaiting request: its first token to the scheduler, then its pull
+        (for one that ended meanwhile: released)."""
+        with self._lock:
+            self._forsaken.pop(spec.request_id, None)  # asked for once
         try:
             lease = KVParams.from_dict(json.loads(params_json))
             if not lease.verify(self._params_key):

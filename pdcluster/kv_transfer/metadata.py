@@ -8,7 +8,9 @@ Per step (scheduler -> worker, `PDConnectorMetadata`):
   pulls       consumer: requests whose blocks were just allocated and must be pulled
   releases    consumer: producer leases to drop without pulling (local cache hit, aborted request)
   abandoned   consumer: requests admitted ahead of their prefill that ended before their lease
-              came (the worker stops looking for it and reports the load as done)
+              came (the worker reports the load as done, and releases the lease if it comes)
+  forsaken    consumer: requests admitted ahead that ended before their blocks were allocated
+              (no pull planned): the worker releases their lease if it comes
 
 Per step (worker -> scheduler, `PDWorkerMetadata`):
   first_tokens  consumer: the prefill's first token of each request admitted ahead of its
@@ -63,6 +65,7 @@ class PDConnectorMetadata(KVConnectorMetadata):
     pulls: list[PullSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
+    forsaken: list[PullSpec] = field(default_factory=list)
 
 
 @dataclass

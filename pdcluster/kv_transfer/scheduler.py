@@ -228,7 +228,11 @@ class ConnectorScheduler:
         if not params:
             return False, None
         if self.is_consumer and kvp.wants_lease_await(params):
-            self._awaiting.pop(request.request_id, None)
+            entry = self._awaiting.pop(request.request_id, None)
+            if entry is not None and not params.get(kvp.PULL_PLANNED):
+                # Ended before its blocks were allocated (in decode's queue): its prefill may
+                # still file a lease under its key; the worker releases it if it comes.
+                self._meta.forsaken.append(PullSpec(request.request_id, None, (), (), awaiting=entry[1]))
             if params.get(kvp.PULL_PLANNED):
                 # Every worker hears it ended: one still looking stops, one that gave up reports
                 # its load now (vLLM frees the blocks once every rank has). Even after its first

@@ -238,6 +238,8 @@ class ConnectorWorker:
                     self._submit_pull(pull)
             for request_id in meta.abandoned:
                 self._ahead.abandon(request_id)
+            for spec in meta.forsaken:
+                self._ahead.forsake(spec)
             for release in meta.releases:
                 logger.debug("releasing %s unpulled: %s", release.remote.remote_request_id, release.reason)
                 self._messages.release_later(release.remote, False)

@@ -225,6 +225,24 @@ def test_a_request_admitted_ahead_that_ends_is_abandoned_to_every_worker(consume
     assert step(scheduler).abandoned == [req.request_id]
 
 
+def test_a_request_admitted_ahead_that_ends_in_the_queue_is_forsaken_to_the_worker(consumer):
+    """Ended before its blocks were allocated (no pull planned): the worker is told its key, to
+    release the lease its prefill may still file."""
+    from vllm.v1.request import RequestStatus
+
+    from pdcluster.kv_transfer.params import AwaitParams
+
+    scheduler, hasher = consumer
+    voucher = KVParams.from_dict(lease(BLOCK, [1]))
+    spec = AwaitParams("cd" * 16, voucher, time.time() + 30)
+    req = request(hasher, PROMPT[:200], spec.to_dict())
+    scheduler.add_request(req)
+    scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    meta = step(scheduler)
+    assert meta.pulls == [] and meta.abandoned == []
+    assert [(f.request_id, f.awaiting) for f in meta.forsaken] == [(req.request_id, spec)]
+
+
 def test_producer_leases_what_it_computed(tmp_path):
     from vllm.v1.request import RequestStatus
 

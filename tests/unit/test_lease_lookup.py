@@ -185,6 +185,34 @@ def test_a_lease_found_for_a_request_that_ended_meanwhile_is_released(served, mo
         pulls_ahead.shutdown()
 
 
+@pytest.mark.parametrize("ended", ["abandoned", "forsaken"])
+def test_a_lease_filed_after_its_request_ended_is_released(served, monkeypatch, ended):
+    """The request ends (its blocks allocated: abandoned; still queued on decode: forsaken) and
+    the lookups it had are over; its prefill files the lease only later. The key is still looked
+    up until the request's deadline, and the lease released at once: the producer's blocks are
+    not held until the lease expires (60 s here)."""
+    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", 0.2)  # lookups end and are asked again meanwhile
+    producer, server, client = served
+
+    def release(lease: KVParams) -> None:
+        client.release(lease.remote_request_id, transferred=False, engine_id="decode-0", timeout_s=5)
+
+    pulls: list[PullSpec] = []
+    pulls_ahead = ahead_pulls(lambda endpoint: client, pulls, release)
+    try:
+        if ended == "abandoned":
+            pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
+            pulls_ahead.abandon("r-1")
+        else:
+            pulls_ahead.forsake(awaiting("r-1", "1" * 32, server.address))
+        time.sleep(0.5)  # past any lookup that was in flight when it ended
+        producer.leases.add("req-1", [3], time.monotonic() + 60, key="1" * 32, handout=lease("req-1", 9))
+        wait_until(lambda: len(producer.leases) == 0, "the lease of the ended request is released")
+        assert pulls == [] and pulls_ahead.take_first_tokens() == {}
+    finally:
+        pulls_ahead.shutdown()
+
+
 def test_under_tensor_parallel_a_rank_that_gave_up_reports_once_told_the_request_ended(served, monkeypatch):
     """Two ranks of one decode engine look the same request's lease up, each on its own producer
     rank: one finds it, the other's producer is unreachable, so it gives up (and has the request
