@@ -5,8 +5,9 @@ Pure (no Ray, no clock of its own), so every rule is tested on synthetic snapsho
 `Planner.decide`, and acts through its own scale-and-drain path (`mode: act`) or only logs and
 exposes the decision (`mode: advise`).
 
-Signals, each over the router's last minute: TTFT p90 and ITL p90 (what clients saw), the prefill
-phase p90 (prefill replicas' own share of TTFT); per role: requests waiting in the engines, KV
+Signals, each over the router's window: TTFT p90 and ITL p90 (what streaming clients saw; for
+P/D answers sent whole, the server's view), the prefill phase p90 (prefill replicas' own share
+of TTFT); per role: requests waiting in the engines, KV
 cache usage (the highest replica's), and replicas ready / starting / draining.
 
 Rules, in order (the first that holds for `hysteresis` intervals in a row acts):

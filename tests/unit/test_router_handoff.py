@@ -116,6 +116,27 @@ def test_several_prompts_are_computed_by_decode_alone(serve, prompt):
     assert metric(router, 'pdcluster_route_decisions_total{path="decode"}') == 1
 
 
+def test_a_pd_answer_sent_whole_gives_the_planner_its_latencies_but_not_the_clients_histograms(serve):
+    """Non-streamed traffic: the client sees no first token, but the SLO planner reads the
+    cluster's TTFT and ITL (it was blind to such traffic): token 1 when the prefill answered, the
+    mean gap of decode's tokens after it. The client-facing histograms stay as clients saw."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
+
+    async def whole(call, out):
+        await asyncio.sleep(0.2)  # decode computes tokens 2..5
+        usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        await out.json({"id": "cmpl-d", "choices": [{"index": 0, "text": "abcde"}], "usage": usage})
+
+    prefill, decode = StandIn(prefill_answer()), StandIn(whole)
+    assert router.metrics.slo() == {"ttft": None, "itl": None, "phase": None}
+    response, _ = serve(router, {"prefill-0": prefill, "decode-0": decode}, COMPLETION, [])
+    assert response.status_code == 200
+    slo = router.metrics.slo()
+    assert slo["ttft"] is not None and slo["phase"] is not None and slo["ttft"] >= slo["phase"]
+    assert 0.2 / 4 <= slo["itl"] < 5.0  # four gaps after token 1, in the 0.2 s decode took at least
+    assert metric(router, "pdcluster_ttft_seconds_count") == 0 and metric(router, "pdcluster_itl_seconds_count") == 0
+
+
 def test_min_tokens_reach_decode_and_the_prefill_gets_what_its_one_token_allows(serve):
     router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
     prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)

@@ -97,6 +97,7 @@ class Handoff:
     answering: ReplicaLoad | None = None  # the replica whose answer the client gets (decode/aggregated)
     excluded: dict[str, list[str]] = field(default_factory=dict)  # role -> replicas that failed it
     params: dict[str, Any] | None = None  # kv_transfer_params of the current lease
+    prefilled_at: float = 0.0  # perf_counter() when the prefill answered with that lease (token 1 computed)
     first: continuation.FirstToken | None = None  # the prefill's first token, if decode continues
     ahead: Ahead | None = None  # the continuation sent with the prefill, once the prefill matched it
     delivered: bool = False  # bytes went to the client
@@ -334,6 +335,7 @@ class PhaseRunner:
             h.finish("abandoned", e2e=False)
             return error_response(503, "injected fault: request abandoned after prefill", "fault_injection")
         h.params = lease.to_dict()  # what the decode request carries: the lease, nothing else
+        h.prefilled_at = time.perf_counter()
         h.first = continuation.first_token(answer, h.kind, lease) if h.continuing else None
         self._vouchers.learn(prefill.replica_id, lease)
         if ahead is not None and ahead.matches(h.first, lease):
@@ -372,6 +374,8 @@ class PhaseRunner:
         if not h.stream:
             h.drop(replica)
             h.finish(outcome_for(upstream.status_code, upstream.content))
+            if upstream.status_code == 200 and h.params is not None:
+                self._unstreamed_latencies(h, upstream.content)
             return Response(
                 upstream.content, status_code=upstream.status_code, media_type="application/json", headers=headers
             )
@@ -385,6 +389,20 @@ class PhaseRunner:
         return RelayResponse(
             closing(relay, migration.relayed(self, h, relay, upstream, clock, None, progress)), relay, headers
         )
+
+    def _unstreamed_latencies(self, h: Handoff, content: bytes) -> None:
+        """A P/D answer sent whole: the client sees no first token or gaps, but the SLO planner
+        needs the cluster's (orchestrator/planner.py), or non-streamed traffic leaves it blind.
+        Its window gets the server's view: token 1 when the prefill answered, and the mean gap
+        of the tokens decode computed after it (never the client-facing histograms)."""
+        now = time.perf_counter()
+        try:
+            tokens = int(json.loads(content)["usage"]["completion_tokens"])
+        except (ValueError, TypeError, KeyError):
+            return  # no usage to count its tokens by
+        self.metrics.cluster.ttft.add(h.prefilled_at - h.started)
+        if tokens > 1:
+            self.metrics.cluster.itl.add((now - h.prefilled_at) / (tokens - 1))
 
     @staticmethod
     def answer_body(h: Handoff, progress: migration.Progress | None) -> dict[str, Any]:
