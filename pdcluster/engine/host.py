@@ -121,10 +121,6 @@ class EngineHost:
             kwargs["kv_events_config"] = KVEventsConfig(**self.events.config())
         engine_args = AsyncEngineArgs(**kwargs)
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-        if self.events is not None:
-            cache = vllm_config.cache_config
-            drop = compat.drops_last_cached_block(vllm_config)
-            self.events.start(cache.block_size, str(cache.prefix_caching_hash_algo), drop)
         self._note_async_scheduling(vllm_config)
         self._place_model(vllm_config)
         recorder = self.stats
@@ -133,6 +129,13 @@ class EngineHost:
             usage_context=UsageContext.OPENAI_API_SERVER,
             stat_loggers=[lambda config, index=0: recorder],
         )
+        if self.events is not None:
+            # Read once the engine core started: it may settle another block size than the
+            # config asked (an attention backend's, a hybrid model's), which vLLM's client copies
+            # back into this config; the router hashes prompts in blocks of this size.
+            cache = vllm_config.cache_config
+            drop = compat.drops_last_cached_block(vllm_config)
+            self.events.start(cache.block_size, str(cache.prefix_caching_hash_algo), drop)
         await self._warm_up()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
