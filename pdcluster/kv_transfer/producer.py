@@ -58,6 +58,7 @@ class KVProducer:
         self._gatherers: Pool[BlockGatherer] = Pool(lambda: BlockGatherer(cache, max_chunk_bytes))
         self.bytes_sent = 0
         self.pulls_served = 0
+        self._sent_lock = threading.Lock()  # pulls are served from several threads at once
 
     def handshake(self, remote_version: int, remote_layout: KVLayout) -> None:
         """Raise HandshakeError (naming both sides) unless the consumer can read our blocks."""
@@ -82,8 +83,12 @@ class KVProducer:
             with self._gatherers.get() as gatherer:
                 chunk_bytes = self.chunk_bytes(max_chunk_bytes)
                 for chunk, data in gatherer.chunks(block_ids, lease.ready_event, chunk_bytes, into):
-                    self.bytes_sent += chunk.nbytes
+                    self.count_sent(chunk.nbytes)
                     yield chunk, data
+
+    def count_sent(self, nbytes: int) -> None:
+        with self._sent_lock:  # `+=` from two threads can lose one
+            self.bytes_sent += nbytes
 
     def chunk_bytes(self, requested: int) -> int:
         """The chunk size of a pull: the consumer's wish, capped by ours (0: ours)."""

@@ -267,7 +267,7 @@ class CollectiveExtension(ServerExtension):
                         request.tag,
                         buffers,
                     )
-                    self.producer.bytes_sent += sent
+                    self.producer.count_sent(sent)
                 yield pb.CollectiveProgress(bytes_sent=sent, done=True)
             except RuntimeError as exc:  # torch.distributed errors (DistError is one)
                 self._drop(pair)

@@ -188,7 +188,7 @@ class MooncakeExtension(ServerExtension):
                     yield pb.MooncakeReadProgress(ready=True)
                     done = next(requests, None)  # the consumer's reads ended, or its call did
                     if done is not None and done.done and not done.error:
-                        self.producer.bytes_sent += done.bytes_read
+                        self.producer.count_sent(done.bytes_read)
             yield pb.MooncakeReadProgress(done=True)
 
     def _staged(
@@ -209,7 +209,7 @@ class MooncakeExtension(ServerExtension):
                 answer = next(requests, None)
                 if answer is None or not answer.chunk_read:
                     return  # the consumer failed (it says why) or went away
-                self.producer.bytes_sent += chunk.nbytes
+                self.producer.count_sent(chunk.nbytes)
 
 
 class MooncakeClient(GrpcClient):

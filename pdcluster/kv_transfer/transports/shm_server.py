@@ -242,7 +242,8 @@ class ShmExtension(ServerExtension):
             local = cma.block_iovecs(self._addresses[push_from:], row_bytes[push_from:], pull.block_ids)
             remote = cma.block_iovecs(addresses, row_bytes[push_from:], first.block_ids)
             faults = self.producer.faults
-            self.pushing += 1
+            with self._lock:
+                self.pushing += 1
             if faults.config.push_delay_s:
                 time.sleep(faults.config.push_delay_s)  # injected fault: a slow push (fence tests)
             try:
@@ -260,11 +261,12 @@ class ShmExtension(ServerExtension):
                 )
                 pushed = 0
             finally:
-                self.pushing -= 1
-                self.last_push_end = time.monotonic()
+                with self._lock:
+                    self.pushing -= 1
+                    self.last_push_end = time.monotonic()
             yield pb.ShmChunk(pushed=True, pushed_layers=pushed)
             consumed.wait_for(1)
-            self.producer.bytes_sent += len(pull.block_ids) * self.producer.layout.bytes_per_block()
+            self.producer.count_sent(len(pull.block_ids) * self.producer.layout.bytes_per_block())
 
     def close(self) -> None:
         with self._lock:
