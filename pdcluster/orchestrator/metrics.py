@@ -8,6 +8,7 @@ decoding) are pushed by the controller with each replica update and exported by 
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -299,6 +300,21 @@ class RouterMetrics:
         r.register(_CacheIndexCollector(cache_index))
         self.windows: dict[str, ReplicaWindows] = {}
         self.cluster = ReplicaWindows(slo_window_s)  # every replica's samples: the SLO planner's input
+
+    def whole_answer(self, ttft_s: float, first_at: float, content: bytes) -> None:
+        """An answer sent whole (not streamed): its client sees no first token or gaps, but the
+        SLO planner needs the cluster's (orchestrator/planner.py), or non-streamed traffic leaves
+        it blind. Its window gets the server's view: token 1 after `ttft_s` (computed at
+        `first_at`, perf_counter), then the mean gap of the tokens after it (never the
+        client-facing histograms)."""
+        now = time.perf_counter()
+        try:
+            tokens = int(json.loads(content)["usage"]["completion_tokens"])
+        except (ValueError, TypeError, KeyError):
+            return  # no usage to count its tokens by
+        self.cluster.ttft.add(ttft_s)
+        if tokens > 1:
+            self.cluster.itl.add((now - first_at) / (tokens - 1))
 
     def slo(self) -> dict[str, float | None]:
         """The cluster's p90 TTFT, ITL and prefill phase (seconds) over the SLO window."""

@@ -11,6 +11,7 @@ import pytest
 
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.router import continuation as cont
+from pdcluster.orchestrator.router.migration import Progress, resume_body
 
 BASE = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "stream": True}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8, "stream": True}
@@ -46,7 +47,10 @@ def test_which_chats_continue():
     assert not cont.continuable({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat")
     assert not cont.continuable({**CHAT, "response_format": {"type": "json_object"}}, "chat")
     assert not cont.continuable({**CHAT, "max_completion_tokens": 1, "max_tokens": 50}, "chat")
-    assert cont.continuable({k: v for k, v in CHAT.items() if k != "max_completion_tokens"}, "chat")
+    unbounded = {k: v for k, v in CHAT.items() if k != "max_completion_tokens"}
+    # no output limit: runs to the context length, which the continuation must be told
+    assert cont.continuable(unbounded, "chat", max_model_len=1024)
+    assert not cont.continuable(unbounded, "chat")
 
 
 def test_the_models_generation_defaults_count_as_if_sent():
@@ -57,8 +61,8 @@ def test_the_models_generation_defaults_count_as_if_sent():
     assert not cont.continuable(BASE, "completions", defaults)  # a penalty over output tokens
     assert cont.continuable({**BASE, "presence_penalty": 0}, "completions", defaults)  # the client's own
     chat = {k: v for k, v in CHAT.items() if k != "max_completion_tokens"}
-    assert cont.continuable(chat, "chat", {})
-    assert not cont.continuable(chat, "chat", {"max_tokens": 1})  # the model's default: one token
+    assert cont.continuable(chat, "chat", {}, max_model_len=1024)
+    assert not cont.continuable(chat, "chat", {"max_tokens": 1}, max_model_len=1024)  # the model's default: one token
     # completions' max_tokens defaults to 16 in the protocol itself, whatever the model says
     assert cont.continuable({k: v for k, v in BASE.items() if k != "max_tokens"}, "completions", {"max_tokens": 1})
     lease = KVParams("p", "r", ("127.0.0.1:1",), (0,), 3, 1e10)
@@ -88,6 +92,7 @@ def test_first_token_only_when_decode_can_continue_after_it():
         assert first is not None and (first.token_id, first.text, first.prompt_ids) == (42, "    return", [11, 12, 13])
         assert cont.first_token(prefill_answer(kind, finish="stop"), kind, params) is None  # EOS first
         assert cont.first_token(prefill_answer(kind, text="\ufffd"), kind, params) is None  # half a character
+        assert cont.first_token(prefill_answer(kind, text=""), kind, params) is None  # held back by vLLM
         assert cont.first_token(prefill_answer(kind), kind, lease(2)) is None  # MTP back-off
 
 
@@ -99,8 +104,28 @@ def test_decode_body_continues_after_the_first_token_with_one_token_less():
     assert (body["max_tokens"], body["min_tokens"], body["top_k"], body["kv_transfer_params"]) == (7, 3, 3, params)
     default = cont.decode_body({k: v for k, v in BASE.items() if k != "max_tokens"}, "completions", first, params)
     assert default["max_tokens"] == cont.COMPLETIONS_DEFAULT_MAX_TOKENS - 1
-    unbounded = cont.decode_body({k: v for k, v in CHAT.items() if k != "max_completion_tokens"}, "chat", first, params)
-    assert unbounded["max_tokens"] is None and "messages" not in unbounded
+    chat = {k: v for k, v in CHAT.items() if k != "max_completion_tokens"}
+    unbounded = cont.decode_body(chat, "chat", first, params, max_model_len=1024)
+    assert "messages" not in unbounded
+
+
+def test_a_chat_without_an_output_limit_continues_to_the_context_length():
+    """vLLM runs a chat without max_tokens up to the context length; its continuation is a
+    completions request, whose missing max_tokens vLLM makes 16 (the stream stopped after 17
+    tokens). It carries what is left of the context, as vLLM itself reads it."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    chat = {k: v for k, v in CHAT.items() if k != "max_completion_tokens"}
+    first = cont.first_token(prefill_answer("chat"), "chat", lease())
+    for body in (
+        cont.decode_body(chat, "chat", first, lease().to_dict(), max_model_len=1024),
+        cont.ahead_body(chat, "chat", [11, 12, 13], {}, max_model_len=1024),
+    ):
+        assert CompletionRequest(**{**body, "model": "tiny"}).max_tokens == 1024 - 4  # prompt 3 + token 1
+    # a stream that moves to another decode replica after 3 tokens (migration.py), the same way
+    resumed = resume_body(chat, "chat", Progress([11, 12, 13], [42, 43, 44]), {}, max_model_len=1024)
+    assert CompletionRequest(**{**resumed, "model": "tiny"}).max_tokens == 1024 - 6
+    assert not cont.room_after(1024, 1024) and cont.room_after(1023, 1024) and cont.room_after(5000, None)
 
 
 def test_continuation_stream_reads_as_the_clients_own_request():

@@ -123,9 +123,13 @@ def _neutral(key: str, value: Any) -> bool:
     return value in ("", [])
 
 
-def continuable(body: dict[str, Any], kind: str, defaults: dict[str, Any] | None = None) -> bool:
+def continuable(
+    body: dict[str, Any], kind: str, defaults: dict[str, Any] | None = None, max_model_len: int | None = None
+) -> bool:
     """Can this request take its first token from the prefill (see the module docstring)?
-    `defaults`: request_defaults() of the model's generation config."""
+    `defaults`: request_defaults() of the model's generation config. A chat without an output
+    limit runs to the context length: its continuation (a completions request, whose missing
+    limit is 16) needs `max_model_len` to say how far."""
     body = with_defaults(body, kind, defaults or {})
     if body.get("stream") is not True or body.get("n") not in (None, 1):
         return False
@@ -136,6 +140,8 @@ def continuable(body: dict[str, Any], kind: str, defaults: dict[str, Any] | None
             return False
     limit = output_limit(body, kind)
     if limit is not None and limit < 2:
+        return False
+    if limit is None and not max_model_len:
         return False
     if kind == "completions":
         prompt = body.get("prompt")
@@ -168,8 +174,11 @@ def first_token(answer: dict[str, Any], kind: str, lease: KVParams) -> FirstToke
         prompt_ids, text = answer.get("prompt_token_ids"), (choice.get("message") or {}).get("content")
     if not (isinstance(ids, list) and len(ids) == 1 and isinstance(prompt_ids, list) and prompt_ids):
         return None
-    if not isinstance(text, str) or text.endswith("\ufffd"):
-        return None  # a character split across tokens: its bytes would be decoded apart
+    if not isinstance(text, str) or not text or text.endswith("\ufffd"):
+        # A character split across tokens: vLLM holds its first bytes back ("", or U+FFFD from
+        # a slow tokenizer), and a continuation over them decodes them apart (the client got
+        # the whole prompt's text again, or U+FFFD). The classic path decodes them together.
+        return None
     if lease.remote_num_tokens != len(prompt_ids):
         return None  # the producer computed a shorter prompt (MTP back-off)
     return FirstToken(
@@ -188,9 +197,31 @@ def decode_body(
     first: FirstToken,
     kv_params: dict[str, Any],
     defaults: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """The continuation request for the decode replica (sent to CONTINUATION_PATH)."""
-    return _continuation_body(body, kind, [*first.prompt_ids, first.token_id], kv_params, defaults)
+    prompt = [*first.prompt_ids, first.token_id]
+    return _continuation_body(
+        body, kind, prompt, kv_params, defaults, tokens_left(body, kind, defaults, prompt, max_model_len)
+    )
+
+
+def tokens_left(
+    body: dict[str, Any], kind: str, defaults: dict[str, Any] | None, context: list[int], max_model_len: int | None
+) -> int | None:
+    """How many tokens a continuation over `context` (the prompt and the tokens so far) may
+    generate when the client set no limit: up to the context length, as vLLM runs such a chat
+    (None: the client's limit applies, or the context length is unknown)."""
+    if output_limit(with_defaults(body, kind, defaults or {}), kind) is not None or not max_model_len:
+        return None
+    return max_model_len - len(context)
+
+
+def room_after(context_len: int, max_model_len: int | None) -> bool:
+    """Whether a context of this many tokens leaves room for one more (unknown length: assumed).
+    A continuation over a prompt one short of the context length would be refused (no token
+    left to generate): such a request takes the classic path, where token 1 is its whole answer."""
+    return not max_model_len or context_len < max_model_len
 
 
 def ahead_body(
@@ -199,10 +230,12 @@ def ahead_body(
     prompt_ids: list[int],
     kv_params: dict[str, Any],
     defaults: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """The continuation sent with the prefill request (router.decode_ahead): over the prompt
     alone, the first token to come with the lease (`kv_params`: AwaitParams.to_dict())."""
-    return _continuation_body(body, kind, list(prompt_ids), kv_params, defaults)
+    left = tokens_left(body, kind, defaults, [*prompt_ids, 0], max_model_len)  # the first token joins the prompt
+    return _continuation_body(body, kind, list(prompt_ids), kv_params, defaults, left)
 
 
 def _continuation_body(
@@ -211,6 +244,7 @@ def _continuation_body(
     prompt: list[int],
     kv_params: dict[str, Any],
     defaults: dict[str, Any] | None,
+    left: int | None,
 ) -> dict[str, Any]:
     body = with_defaults(body, kind, defaults or {})
     out = {
@@ -219,7 +253,7 @@ def _continuation_body(
         if key in CONTINUABLE_FIELDS and key not in ("max_tokens", "max_completion_tokens", "min_tokens", "n")
     }
     limit = output_limit(body, kind)
-    out["max_tokens"] = None if limit is None else limit - 1
+    out["max_tokens"] = left if limit is None else limit - 1
     if body.get("min_tokens"):
         out["min_tokens"] = max(0, int(body["min_tokens"]) - 1)
     # the token ids let the stream move to another decode replica if this one fails (migration.py)

@@ -176,7 +176,7 @@ class PhaseRunner:
         continuing = (
             self.settings.disaggregated
             and self.settings.first_token_from_prefill
-            and continuation.continuable(body, kind, self.settings.generation_defaults)
+            and continuation.continuable(body, kind, self.settings.generation_defaults, self.settings.max_model_len)
         )
         # Decode computes the prompt itself for several choices or prompts (one lease serves one
         # pull, and vLLM answers a batch of prompts with the first one's lease only), and when no
@@ -310,8 +310,15 @@ class PhaseRunner:
         assert self.http is not None
         deadline = time.time() + max(0.0, h.deadline - time.perf_counter())
         ids = h.prompt.ids if h.prompt is not None else None
+        if ids is not None and not continuation.room_after(len(ids) + 1, self.settings.max_model_len):
+            return None
         body = functools.partial(
-            continuation.ahead_body, h.body, h.kind, ids, defaults=self.settings.generation_defaults
+            continuation.ahead_body,
+            h.body,
+            h.kind,
+            ids,
+            defaults=self.settings.generation_defaults,
+            max_model_len=self.settings.max_model_len,
         )
         return self._vouchers.send(self.http, prefill, h.answering, h.request_id, body, ids, deadline)
 
@@ -337,6 +344,10 @@ class PhaseRunner:
         h.params = lease.to_dict()  # what the decode request carries: the lease, nothing else
         h.prefilled_at = time.perf_counter()
         h.first = continuation.first_token(answer, h.kind, lease) if h.continuing else None
+        if h.first is not None and not continuation.room_after(
+            len(h.first.prompt_ids) + 1, self.settings.max_model_len
+        ):
+            h.first = None  # token 1 fills the context: the classic path answers it
         self._vouchers.learn(prefill.replica_id, lease)
         if ahead is not None and ahead.matches(h.first, lease):
             h.ahead = ahead
@@ -374,8 +385,8 @@ class PhaseRunner:
         if not h.stream:
             h.drop(replica)
             h.finish(outcome_for(upstream.status_code, upstream.content))
-            if upstream.status_code == 200 and h.params is not None:
-                self._unstreamed_latencies(h, upstream.content)
+            if upstream.status_code == 200 and h.params is not None:  # P/D: token 1 when the prefill answered
+                self.metrics.whole_answer(h.prefilled_at - h.started, h.prefilled_at, upstream.content)
             return Response(
                 upstream.content, status_code=upstream.status_code, media_type="application/json", headers=headers
             )
@@ -390,20 +401,6 @@ class PhaseRunner:
             closing(relay, migration.relayed(self, h, relay, upstream, clock, None, progress)), relay, headers
         )
 
-    def _unstreamed_latencies(self, h: Handoff, content: bytes) -> None:
-        """A P/D answer sent whole: the client sees no first token or gaps, but the SLO planner
-        needs the cluster's (orchestrator/planner.py), or non-streamed traffic leaves it blind.
-        Its window gets the server's view: token 1 when the prefill answered, and the mean gap
-        of the tokens decode computed after it (never the client-facing histograms)."""
-        now = time.perf_counter()
-        try:
-            tokens = int(json.loads(content)["usage"]["completion_tokens"])
-        except (ValueError, TypeError, KeyError):
-            return  # no usage to count its tokens by
-        self.metrics.cluster.ttft.add(h.prefilled_at - h.started)
-        if tokens > 1:
-            self.metrics.cluster.itl.add((now - h.prefilled_at) / (tokens - 1))
-
     @staticmethod
     def answer_body(h: Handoff, progress: migration.Progress | None) -> dict[str, Any]:
         """What the replica that answers gets: the client's request, the lease if there is one,
@@ -415,14 +412,20 @@ class PhaseRunner:
         """A decode stream that may migrate mid-stream gets its progress tracked (migration.py)."""
         if not (self.settings.disaggregated and self.settings.migration_limit > 0):
             return None
-        return migration.progress_for(h.body, h.kind, self.settings.generation_defaults, h.first, h.params is None)
+        settings = self.settings
+        return migration.progress_for(
+            h.body, h.kind, settings.generation_defaults, h.first, h.params is None, settings.max_model_len
+        )
 
     def _continuation(self, h: Handoff) -> Response:
         """Stream the prefill's first token now; the decode replica's continuation follows. The
         continuation request leaves at once and travels while the client reads the first token."""
         assert h.first is not None and h.params is not None
         relay = Relay(h)
-        body = continuation.decode_body(h.body, h.kind, h.first, h.params, self.settings.generation_defaults)
+        settings = self.settings
+        body = continuation.decode_body(
+            h.body, h.kind, h.first, h.params, settings.generation_defaults, settings.max_model_len
+        )
         if h.ahead is not None:
             relay.pending = h.ahead.pending  # already on its way; `body` only if it fails
         else:

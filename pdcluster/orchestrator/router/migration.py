@@ -47,23 +47,28 @@ logger = logging.getLogger(__name__)
 TOKEN_FIELDS = ("token_ids", "prompt_token_ids", "prompt_text")
 
 
-def resumable(body: dict[str, Any], kind: str, defaults: dict[str, Any]) -> bool:
+def resumable(body: dict[str, Any], kind: str, defaults: dict[str, Any], max_model_len: int | None = None) -> bool:
     """Can a broken stream of this request continue on another decode replica?"""
     if body.get("stream") is not True:
         return False
-    # continuable() also asks for two tokens at least: a broken one-token stream has none left.
+    # continuable() also asks for two tokens at least: a one-token stream may still resume (none
+    # is left only once it ended, and then nothing is resumed).
     limit = continuation.output_limit(continuation.with_defaults(body, kind, defaults), kind)
-    return continuation.continuable({**body, "max_tokens": None, "max_completion_tokens": None}, kind, defaults) and (
-        limit is None or limit >= 1
-    )
+    probe = body if limit is None else {**body, "max_tokens": max(2, limit), "max_completion_tokens": None}
+    return continuation.continuable(probe, kind, defaults, max_model_len) and (limit is None or limit >= 1)
 
 
 def progress_for(
-    body: dict[str, Any], kind: str, defaults: dict[str, Any], first: continuation.FirstToken | None, restartable: bool
+    body: dict[str, Any],
+    kind: str,
+    defaults: dict[str, Any],
+    first: continuation.FirstToken | None,
+    restartable: bool,
+    max_model_len: int | None = None,
 ) -> Progress | None:
     """The progress to track of a decode stream (None: it cannot migrate): after the prefill's
     first token when there is one; `restartable` when decode computes the request alone."""
-    if not resumable(body, kind, defaults):
+    if not resumable(body, kind, defaults, max_model_len):
         return None
     if first is not None:
         return Progress.after_first_token(first)
@@ -129,7 +134,9 @@ def rewrite_after(progress: Progress, kind: str) -> Callable[[dict[str, Any]], d
     return functools.partial(continuation.rewrite, kind=kind, first=progress.header, generated=len(progress.generated))
 
 
-def resume_body(body: dict[str, Any], kind: str, progress: Progress, defaults: dict[str, Any]) -> dict[str, Any]:
+def resume_body(
+    body: dict[str, Any], kind: str, progress: Progress, defaults: dict[str, Any], max_model_len: int | None = None
+) -> dict[str, Any]:
     """The request that continues a broken stream on another decode replica."""
     body = continuation.with_defaults(body, kind, defaults)
     out = {
@@ -139,10 +146,12 @@ def resume_body(body: dict[str, Any], kind: str, progress: Progress, defaults: d
     }
     done = len(progress.generated)
     limit = continuation.output_limit(body, kind)
-    out["max_tokens"] = None if limit is None else max(1, limit - done)
+    context = [*progress.prompt_ids, *progress.generated]
+    left = continuation.tokens_left(body, kind, None, context, max_model_len)
+    out["max_tokens"] = left if limit is None else max(1, limit - done)
     if body.get("min_tokens"):
         out["min_tokens"] = max(0, int(body["min_tokens"]) - done)
-    out.update(prompt=[*progress.prompt_ids, *progress.generated], stream=True, return_token_ids=True)
+    out.update(prompt=context, stream=True, return_token_ids=True)
     return out
 
 
@@ -213,7 +222,7 @@ async def _move(
         path, body = h.path, runner.answer_body(h, progress)
     else:
         path = continuation.CONTINUATION_PATH
-        body = resume_body(h.body, h.kind, progress, runner.settings.generation_defaults)
+        body = resume_body(h.body, h.kind, progress, runner.settings.generation_defaults, runner.settings.max_model_len)
     logger.warning(
         "decode replica %s failed mid-stream after %d tokens; continuing on %s",
         failed.replica_id,

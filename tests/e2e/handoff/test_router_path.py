@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from tests.e2e.handoff.common import LEASE_S
+from tests.support.engines import MAX_MODEL_LEN
 from tests.support.handoff import NAME, complete, info, through_router, wait_for
 from tests.support.prompts import token_prompt
 
@@ -49,6 +50,39 @@ def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engi
         'pdcluster_retries_total{role="decode"}' in metrics and 'pdcluster_retries_total{role="prefill"}' not in metrics
     )
     assert all(count == 0 for count in inflight.values())
+
+
+@pytest.mark.parametrize("decode_ahead", [False, True], ids=["after-prefill", "ahead"])
+def test_a_chat_without_an_output_limit_streams_to_the_context_length(engines, decode_ahead):
+    """A streamed chat with no max_tokens runs to the context length, as the aggregated engine
+    answers it (the continuation, a completions request, stopped at 16 tokens after the first:
+    vLLM's default for a completions request without max_tokens)."""
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "def f(x):"}],
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with engines["agg"].client() as client:
+        reference = client.post("/v1/chat/completions", json=body).json()
+    usage = reference["usage"]
+    assert usage["completion_tokens"] == MAX_MODEL_LEN - usage["prompt_tokens"] > 17
+    replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
+
+    async def requests(client):
+        texts = []
+        for _ in range(2):  # under decode_ahead the first request's lease is the voucher
+            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                assert response.status_code == 200
+                events = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
+            texts.append("".join(c["delta"].get("content") or "" for e in events for c in e["choices"]))
+        return texts
+
+    texts, metrics, _ = through_router(
+        engines, replicas, requests, max_model_len=MAX_MODEL_LEN, decode_ahead=decode_ahead
+    )
+    assert texts == [reference["choices"][0]["message"]["content"]] * 2
+    assert 'pdcluster_first_token_source_total{role="prefill"} 2.0' in metrics
 
 
 def test_decode_sent_ahead_streams_what_the_aggregated_engine_says(engines):
