@@ -65,6 +65,8 @@ async def _post_raw(router: Router, content: bytes) -> httpx.Response:
         # Fields the router itself reads on the P/D path (the first token from the prefill)
         (b'{"model": "tiny", "prompt": "x", "stream": true, "min_tokens": "3"}', "'min_tokens' must be"),
         (b'{"model": "tiny", "prompt": "x", "min_tokens": 10, "max_tokens": 5}', "must not exceed the output limit"),
+        # completions' own default limit, 16 (vLLM alone: a 400; through P/D: a 200, then an error)
+        (b'{"model": "tiny", "prompt": "x", "stream": true, "min_tokens": 20}', "the output limit (16)"),
         (b'{"model": "tiny", "prompt": "x", "stream": true, "stream_options": true}', "'stream_options' must be"),
         # KV controls vLLM reads from extra_args, past the router's own kv_transfer_params check
         (b'{"model": "tiny", "prompt": "x", "vllm_xargs": {"kv_transfer_params": "x"}}', "set by the cluster"),

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from pdcluster.errors import openai_error
 from pdcluster.orchestrator.router.cache_index import Prompt
+from pdcluster.orchestrator.router.continuation import COMPLETIONS_DEFAULT_MAX_TOKENS
 from pdcluster.orchestrator.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
             raise BadRequest("'min_tokens' must be a non-negative integer.", param="min_tokens")
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if limit is None and kind == "completions":
+            limit = COMPLETIONS_DEFAULT_MAX_TOKENS  # the protocol's own: vLLM refuses more min_tokens
         if limit is not None and min_tokens > limit:
             raise BadRequest(
                 f"'min_tokens' ({min_tokens}) must not exceed the output limit ({limit}).", param="min_tokens"
