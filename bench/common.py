@@ -231,6 +231,24 @@ def slo_key(pair: tuple[int, int]) -> str:
     return f"ttft<={pair[0]}ms,gap<={pair[1]}ms"
 
 
+def mark_cut_streams(detailed: dict, output_len: int) -> None:
+    """Count a stream cut short as failed. vLLM's client marks a request successful once a chunk
+    carried a token and reads no later error event (the router's mid-stream failures are such
+    events); with --ignore-eos every request of a stream brings `output_len` tokens, so one with
+    fewer failed: its error says so, and `failed` / `completed` count it."""
+    lens = detailed.get("output_lens") or []
+    if not output_len or not lens:
+        return
+    errors = list(detailed.get("errors") or [""] * len(lens))
+    cut = [i for i, n in enumerate(lens) if not errors[i] and n < output_len]
+    for i in cut:
+        errors[i] = f"the stream ended after {lens[i]} of {output_len} tokens"
+    if cut:
+        detailed["errors"] = errors
+        detailed["failed"] = (detailed.get("failed") or 0) + len(cut)
+        detailed["completed"] = (detailed.get("completed") or len(lens)) - len(cut)
+
+
 def attainment(detailed: dict) -> dict[str, float]:
     """Per SLO pair, the share of requests meeting both bounds, from `vllm bench serve
     --save-detailed` output (per-request `ttfts` and `itls`, seconds; a failed request has no

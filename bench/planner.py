@@ -25,7 +25,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import SLOS, attainment, base_config, cluster, machine, slo_key, status, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    SLOS,
+    attainment,
+    base_config,
+    cluster,
+    machine,
+    mark_cut_streams,
+    slo_key,
+    status,
+    write_results,
+)
 from bench.serve import add_client_args, bench_serve, client_settings, random_dataset  # noqa: E402
 
 PHASES = {
@@ -77,6 +87,7 @@ def run_setup(setup: str, workdir: Path, scale: float) -> dict:
                     f"vllm bench serve failed ({setup}/{phase}): {out.with_suffix('.log').read_text()[-2000:]}"
                 )
             detailed = json.loads(out.read_text())
+            mark_cut_streams(detailed, p["output_len"])
             replicas = [(r["role"], r["state"]) for r in status(cfg, workdir)["replicas"]]
             result[phase] = {
                 "attainment": attainment(detailed),

@@ -62,6 +62,7 @@ from bench.common import (  # noqa: E402
     ROOT,
     base_config,
     cluster,
+    mark_cut_streams,
     shipped_config,
     status,
 )
@@ -282,6 +283,7 @@ def run_workload(endpoint: str, workload: dict, workdir: Path, tag: str) -> dict
                 f"vllm bench serve failed ({tag}/{stream}): {out.with_suffix('.log').read_text()[-3000:]}"
             )
         results[stream] = json.loads(out.read_text())
+        mark_cut_streams(results[stream], workload["streams"][stream].get("output_len", 0))
         watch = out.with_suffix(".watch.json")  # the client's GC pauses and its own stalls (serve_client.py)
         results[stream]["client_watch"] = json.loads(watch.read_text()) if watch.exists() else None
     return results

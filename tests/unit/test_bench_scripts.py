@@ -36,7 +36,25 @@ def test_the_sweep_says_why_each_request_missed():
     assert misses(per_request, (200, 100)) == {"failed": 1, "ttft": 1, "gap": 2, "gap_at_1_2": 1, "both": 1}
 
 
-def test_sweep_points_hold_enough_requests_at_the_same_rates():
+def test_a_stream_cut_short_by_an_error_event_counts_as_failed():
+    """vLLM's client counts a stream with any token as a success (it reads no later error event):
+    with --ignore-eos, fewer tokens than asked is a failure, and a miss for every SLO pair."""
+    from bench.common import attainment, mark_cut_streams, misses, requests
+
+    detailed = {
+        "ttfts": [0.1, 0.1, None],
+        "itls": [[0.01] * 7, [0.01] * 2, []],
+        "errors": ["", "", "connection reset"],
+        "output_lens": [8, 3, 0],
+        "completed": 2,
+        "failed": 1,
+    }
+    mark_cut_streams(detailed, 8)
+    assert detailed["errors"][1] == "the stream ended after 3 of 8 tokens"
+    assert (detailed["completed"], detailed["failed"]) == (1, 2)
+    assert set(attainment(detailed).values()) == {1 / 3}
+    assert misses(requests(detailed), (200, 100))["failed"] == 2
+
     from bench.serve import WORKLOADS
     from bench.serve_sweep import median_points, scaled
 
