@@ -326,9 +326,31 @@ def write_results(stem: str, payload: dict, markdown: str) -> Path:
 
 
 def machine() -> dict:
+    """Where a result was measured: the CPU (its model and bfloat16 support decide the dtype
+    the engines run the model in, `engine_dtype`), so that rows from different machines are told
+    apart."""
     import platform
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    flags: set[str] = set()
+    model = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass  # not Linux: the model from platform only
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "bf16_isa": sorted(flags & {"amx_bf16", "avx512_bf16"}),
+        "engine_dtype": engine_dtype(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def timings_to_dicts(timings: list[RequestTiming]) -> list[dict]:
