@@ -133,6 +133,12 @@ def send_chunks(
     for work in works:
         if work is not None:
             work.wait()
+    # On a device, wait() only orders this thread's stream after the send (NCCL/HCCL): the gathers
+    # still queued there read the leased blocks. The lease ends when this returns (vLLM may hand
+    # the blocks to another request), so its reads must be done: wait here, off the forward's path.
+    done = ctx.record_compute_event()
+    if done is not None:
+        done.synchronize()
     return sent
 
 
