@@ -188,6 +188,9 @@ def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an
     events = data(lines)
     assert events[0]["choices"][0]["text"] == " first"
     assert "upstream replica decode-gone failed mid-stream" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["param"] is None  # vLLM's error shape
+    assert [line for line in lines if line.startswith("data: [DONE]")] == ["data: [DONE]"]  # as vLLM ends one
+    assert lines[-1] == "data: [DONE]" or lines[-2:] == ["data: [DONE]", ""]
     assert (len(prefill.posts()), len(live.posts())) == (1, 0)
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="upstream_error"}') == 1
 
@@ -375,6 +378,7 @@ def test_a_stream_past_the_requests_deadline_ends_with_a_timeout_event(serve):
     events = data(lines)
     assert events[-1]["error"]["code"] == 504 and "request_timeout_seconds" in events[-1]["error"]["message"]
     assert 0 < len(events) - 1 < 40
+    assert [line for line in lines if line.startswith("data: [DONE]")] == ["data: [DONE]"]
 
 
 # -- no prefill replica ready -----------------------------------------------------------------

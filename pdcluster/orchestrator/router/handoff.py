@@ -64,6 +64,7 @@ from pdcluster.orchestrator.router.relay import (
     first_event,
     has_token,
     mid_stream_error,
+    upstream_error_event,
 )
 from pdcluster.orchestrator.router.requests import error_response, prompt_count
 from pdcluster.orchestrator.router.settings import ENDPOINTS, RouterSettings
@@ -485,7 +486,7 @@ class PhaseRunner:
             if upstream.status_code != 200:
                 raw = await upstream.aread()
                 h.outcome = outcome_for(upstream.status_code, raw)
-                yield f"data: {raw.decode(errors='replace')}\n\n".encode()
+                yield upstream_error_event(raw, upstream.status_code)
                 return
             rewrite = functools.partial(continuation.rewrite, kind=h.kind, first=h.first, ahead=ahead)
             async for chunk in migration.relayed(self, h, relay, upstream, clock, rewrite, progress, chunks=chunks):

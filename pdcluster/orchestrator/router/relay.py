@@ -54,9 +54,26 @@ def has_token(event: dict[str, Any]) -> bool:
     return False
 
 
+DONE = b"data: [DONE]\n\n"
+
+
 def error_event(message: str, err_type: str, code: int) -> bytes:
-    """An OpenAI-style error as an SSE event: how a stream that already began reports a failure."""
-    return f"data: {json.dumps({'error': {'message': message, 'type': err_type, 'code': code}})}\n\n".encode()
+    """An OpenAI-style error as the last SSE event: how a stream that already began reports a
+    failure, ended as vLLM ends one (its error shape, then `[DONE]`)."""
+    error = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    return f"data: {json.dumps(error)}\n\n".encode() + DONE
+
+
+def upstream_error_event(raw: bytes, status: int) -> bytes:
+    """A replica's error answer (not streamed) as the stream's last event: its own OpenAI error
+    when it is one, else its text in one."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return f"data: {json.dumps(body)}\n\n".encode() + DONE
+    return error_event(raw.decode(errors="replace")[:2000] or f"HTTP {status}", "upstream_error", status)
 
 
 def mid_stream_error(replica_id: str, exc: BaseException) -> str:
@@ -195,9 +212,11 @@ async def relay_events(
     events = SSEEvents()
     try:
         async for data in chunks:
+            ended = False
             if batch := events.feed(data):
                 yield _relay_batch(batch, handoff, clock, rewrite, progress)
-            if time.perf_counter() > handoff.deadline:  # the whole request's bound, not one read's
+                ended = batch[-1] == ["data: [DONE]"]
+            if not ended and time.perf_counter() > handoff.deadline:  # the whole request's bound, not one read's
                 handoff.outcome = "timeout"
                 yield error_event("request exceeded router.request_timeout_seconds", "timeout", 504)
                 return
