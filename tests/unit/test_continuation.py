@@ -128,6 +128,22 @@ def test_a_chat_without_an_output_limit_continues_to_the_context_length():
     assert not cont.room_after(1024, 1024) and cont.room_after(1023, 1024) and cont.room_after(5000, None)
 
 
+def test_a_continuations_fingerprint_and_metrics_reach_the_client():
+    first = cont.first_token(prefill_answer("chat"), "chat", lease())
+    last = {
+        "id": "cmpl-d",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}],
+        "system_fingerprint": "vllm-0.32.0-ab",
+        "metrics": {"speculative_decoding": {"num_drafts": 3}},
+    }
+    for kind in ("chat", "completions"):
+        out = cont.rewrite(json.loads(json.dumps(last)), kind, first)
+        assert (out["system_fingerprint"], out["metrics"]) == (last["system_fingerprint"], last["metrics"])
+
+
 def test_continuation_stream_reads_as_the_clients_own_request():
     first = cont.first_token(prefill_answer("chat"), "chat", lease())
     head = cont.prelude(first, "chat", CHAT)

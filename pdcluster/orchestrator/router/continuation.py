@@ -261,6 +261,11 @@ def _continuation_body(
     return out
 
 
+# Top-level fields of a continuation's chunks kept as they are (vLLM puts the fingerprint on the
+# last chunk, speculative decoding's metrics on the usage chunk).
+CARRIED_FIELDS = ("system_fingerprint", "metrics")
+
+
 def _event(first: FirstToken, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "id": first.response_id,
@@ -334,4 +339,7 @@ def rewrite(
     out = _event(first, kind, choices)
     if usage:
         out["usage"] = usage
+    for key in CARRIED_FIELDS:  # what vLLM's chunks of either kind carry, as it sent them
+        if key in event:
+            out[key] = event[key]
     return out
