@@ -22,6 +22,7 @@ from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router.handoff import PhaseRunner
 from pdcluster.orchestrator.router.pool import ReplicaPool
 from pdcluster.orchestrator.router.requests import (
+    MAX_REQUEST_ID_CHARS,
     BadRequest,
     PromptTokens,
     error_response,
@@ -217,6 +218,11 @@ class Router:
             self.metrics.requests.labels(kind, "client_error").inc()
             return exc.response()
         h = self.phases.handoff(body, kind, started)
+        # The client's own id (as vLLM takes it: the header, else the body's request_id) names the
+        # request on the engines and in its answer's id ("cmpl-<id>"), as one engine answers it.
+        client_id = request.headers.get("x-request-id") or body.get("request_id")
+        if isinstance(client_id, str) and 0 < len(client_id) <= MAX_REQUEST_ID_CHARS and client_id.isprintable():
+            h.client_request_id = h.request_id = client_id
         try:
             if self.pool.policy.name == "cache_aware":
                 h.prompt = await self.tokens.prompt(body, kind)

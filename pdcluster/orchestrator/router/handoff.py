@@ -94,6 +94,7 @@ class Handoff:
     ahead_dropped: bool = False  # a continuation sent ahead was dropped: none is sent again
     deadline: float = float("inf")  # perf_counter() time the whole request must end by
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # sent as X-Request-Id
+    client_request_id: str = ""  # the client's X-Request-Id (or body request_id): every pass's id
     prefill: ReplicaLoad | None = None  # the prefill replica of the latest pass
     answering: ReplicaLoad | None = None  # the replica whose answer the client gets (decode/aggregated)
     excluded: dict[str, list[str]] = field(default_factory=dict)  # role -> replicas that failed it
@@ -291,7 +292,7 @@ class PhaseRunner:
         may continue after the prefill's token), or the response that ends the request here."""
         assert self.http is not None
         prefill = h.prefill = h.choose("prefill")
-        h.request_id = uuid.uuid4().hex
+        h.request_id = h.client_request_id or uuid.uuid4().hex
         ahead = self._send_ahead(h, prefill)
         started = time.perf_counter()
         try:

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 INLINE_TOKENIZE_CHARS = 4096
 MAX_JSON_DEPTH = 64  # OpenAI requests nest a few levels; deeper ones are refused, not recursed into
 MAX_N = 64  # choices per request
+MAX_REQUEST_ID_CHARS = 256  # a client's own request id, passed to the engines (longer: the router's own)
 
 
 def error_response(
