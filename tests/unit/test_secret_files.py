@@ -41,9 +41,25 @@ def test_a_killed_actors_secret_file_is_removed_by_the_next_engine_started_on_th
         with open(path) as f:
             assert f.read() == "the-secret"
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert os.path.basename(path).startswith(f"pdcluster-kv-c-decode-1.{os.getpid()}.")
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        assert os.path.basename(path).startswith(f"pdcluster-kv-c-decode-1.{namespace}-{os.getpid()}.")
     finally:
         starting.kill()
         starting.wait(timeout=30)
         killed.stdout.close()
         starting.stdout.close()
+
+
+def test_a_secret_file_of_another_pid_namespace_is_left_alone(tmp_path):
+    """Hosts in pid namespaces of their own may share /tmp (the multi-node test hosts do): a pid
+    that runs no process here may run the writer there, still starting its engine. Only files
+    written in this pid namespace are swept."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)  # a pid that runs nothing in this namespace
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    elsewhere = tmp_path / f"pdcluster-kv-c-decode-0.{namespace + 1}-{gone.pid}.abc123.secret"
+    here = tmp_path / f"pdcluster-kv-c-decode-2.{namespace}-{gone.pid}.def456.secret"
+    for path in (elsewhere, here):
+        path.write_text("the-secret")
+    write_secret_file("c-prefill-0", "the-secret", str(tmp_path))
+    assert elsewhere.exists() and not here.exists()
