@@ -384,11 +384,12 @@ def test_kv_controls_in_vllm_xargs_are_refused_and_no_engine_is_hurt(cluster, cl
         {"kv_transfer_params": {"do_remote_prefill": 1}},
         {"kv_cache_report_mode": "full"},
     ):
-        for n in (1, 2):
-            body = {"model": NAME, "prompt": "import os\n", "max_tokens": 4, "n": n, "vllm_xargs": xargs}
-            assert_openai_error(post(cluster, "/v1/completions", json_body=body), 400)
+        for n in (1, 2):  # several choices: sampled (vLLM refuses n > 1 greedy)
+            body = {"model": NAME, "prompt": "import os\n", "max_tokens": 4, "n": n, "temperature": n - 1}
+            assert_openai_error(post(cluster, "/v1/completions", json_body={**body, "vllm_xargs": xargs}), 400)
     for n in (1, 2):
-        assert len(client.completions.create(model=NAME, prompt="import sys\n", max_tokens=4, n=n).choices) == n
+        answer = client.completions.create(model=NAME, prompt="import sys\n", max_tokens=4, n=n, temperature=n - 1)
+        assert len(answer.choices) == n
     after = cluster.status()["replicas"]
     assert {r["replica"]: r["pid"] for r in after} == before and all(r["state"] == "ready" for r in after)
 
