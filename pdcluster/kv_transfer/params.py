@@ -188,6 +188,16 @@ def lease_key(params: dict[str, Any] | None) -> str:
     return key if valid_key(key) else ""
 
 
+PREFILL_CACHED_TOKENS = "remote_prefill_cached_tokens"  # vLLM's scheduler adds it to a prefill's params
+
+
+def prefill_cache_hit(params: Any) -> dict[str, int]:
+    """vLLM's own report of the prefill's prefix-cache hit, from the prefill's answer, for the
+    decode request to carry (its usage reports it as cached tokens); {} when absent."""
+    cached = params.get(PREFILL_CACHED_TOKENS) if isinstance(params, dict) else None
+    return {PREFILL_CACHED_TOKENS: cached} if type(cached) is int and cached >= 0 else {}
+
+
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     """A prefill request: keep the KV for a consumer (the router's ASK_PREFILL)."""
     return bool(params) and bool(params.get(DO_REMOTE_DECODE))

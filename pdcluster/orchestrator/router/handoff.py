@@ -343,7 +343,9 @@ class PhaseRunner:
             # Injected fault: the client is gone between phases; nobody pulls this KV.
             h.finish("abandoned", e2e=False)
             return error_response(503, "injected fault: request abandoned after prefill", "fault_injection")
-        h.params = lease.to_dict()  # what the decode request carries: the lease, nothing else
+        # What the decode request carries: the lease, and the prefill's own prefix-cache hit,
+        # which vLLM adds for decode to report as the request's cached tokens (not its own ~100 %)
+        h.params = lease.to_dict() | kvp.prefill_cache_hit(answer.get("kv_transfer_params"))
         h.prefilled_at = time.perf_counter()
         h.first = continuation.first_token(answer, h.kind, lease) if h.continuing else None
         if h.first is not None and not continuation.room_after(

@@ -85,6 +85,24 @@ def test_a_chat_without_an_output_limit_streams_to_the_context_length(engines, d
     assert 'pdcluster_first_token_source_total{role="prefill"} 2.0' in metrics
 
 
+def test_cached_tokens_in_usage_are_the_prefills_own_hit(engines):
+    """usage.prompt_tokens_details.cached_tokens through P/D is the prefill's prefix-cache hit, as
+    one engine reports it (vLLM hands decode the prefill's count in the lease's params; decode's
+    own count is every prompt token, pulled)."""
+    prompt = token_prompt(3 * 128 + 20, offset=6173)
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    reference = complete(engines["agg"], prompt, 4).json()["usage"]["prompt_tokens_details"]
+    replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
+
+    async def requests(client):
+        return [(await client.post("/v1/completions", json=body)).json()["usage"] for _ in range(2)]
+
+    (fresh, again), _, _ = through_router(engines, replicas, requests)
+    assert fresh["prompt_tokens_details"]["cached_tokens"] == reference["cached_tokens"] == 0
+    hit = again["prompt_tokens_details"]["cached_tokens"]
+    assert hit in (2 * 128, 3 * 128)  # the prefill's hit: whole blocks (less the last under MTP)
+
+
 def test_decode_sent_ahead_streams_what_the_aggregated_engine_says(engines):
     """router.decode_ahead: the continuation leaves with the prefill request and the decode engine
     finds the lease and the first token by key. Every stream after the first (whose lease becomes
