@@ -137,7 +137,7 @@ def test_a_pd_answer_sent_whole_gives_the_planner_its_latencies_but_not_the_clie
     assert metric(router, "pdcluster_ttft_seconds_count") == 0 and metric(router, "pdcluster_itl_seconds_count") == 0
 
 
-@pytest.mark.parametrize("how", ["header", "body"])
+@pytest.mark.parametrize("how", ["header", "body", "body-not-ascii"])
 def test_the_clients_request_id_names_the_request_on_every_engine(serve, how):
     """vLLM names a request (and its answer, "cmpl-<id>") by the client's X-Request-Id, else the
     body's request_id: the router passes it on to every phase instead of its own."""
@@ -151,7 +151,7 @@ def test_the_clients_request_id_names_the_request_on_every_engine(serve, how):
         if how == "header":
             headers["X-Request-Id"] = "client-7"
         else:
-            body["request_id"] = "client-7"
+            body["request_id"] = "client-7" if how == "body" else "client-é"  # no header can carry that
         try:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 return await client.post("/v1/completions", json=body, headers=headers)
@@ -161,7 +161,11 @@ def test_the_clients_request_id_names_the_request_on_every_engine(serve, how):
             decode.close()
 
     assert asyncio.run(scenario()).status_code == 200
-    assert [c.request_id for c in prefill.posts() + decode.posts()] == ["client-7", "client-7"]
+    ids = [c.request_id for c in prefill.posts() + decode.posts()]
+    if how == "body-not-ascii":
+        assert "client-é" not in ids and all(ids)  # the router's own (it was a 500)
+    else:
+        assert ids == ["client-7", "client-7"]
 
 
 def test_min_tokens_reach_decode_and_the_prefill_gets_what_its_one_token_allows(serve):

@@ -221,7 +221,12 @@ class Router:
         # The client's own id (as vLLM takes it: the header, else the body's request_id) names the
         # request on the engines and in its answer's id ("cmpl-<id>"), as one engine answers it.
         client_id = request.headers.get("x-request-id") or body.get("request_id")
-        if isinstance(client_id, str) and 0 < len(client_id) <= MAX_REQUEST_ID_CHARS and client_id.isprintable():
+        if (
+            isinstance(client_id, str)
+            and 0 < len(client_id) <= MAX_REQUEST_ID_CHARS
+            and client_id.isascii()  # a header value (httpx sends ASCII only)
+            and client_id.isprintable()
+        ):
             h.client_request_id = h.request_id = client_id
         try:
             if self.pool.policy.name == "cache_aware":
