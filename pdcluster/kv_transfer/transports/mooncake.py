@@ -30,8 +30,9 @@ The producer holds the lease for the whole read, so its blocks cannot be freed w
 read. A read that fails or outlives the pull's deadline is a failed load (recomputed or failed
 per policy); the consumer reports it only once its transfer engine says the batch ended (past
 the deadline too: Mooncake ends it by its own transfer timeout, the pull timeout, counted from the
-batch's start; a grace period after that it is given up on), so vLLM does not reuse blocks, nor
-the consumer a landing buffer, that a late transfer writes.
+batch's start; one it leaves running past that is still awaited, holding its pull thread, and its
+peer gets no new read meanwhile: mooncake_engine.MooncakeEngine.read), so vLLM does not reuse
+blocks, nor the consumer a landing buffer, that a late transfer writes.
 
 Mooncake's own ports (its RPC and data connections) are not authenticated (Mooncake has no such
 layer) and listen on every interface (0.3.13 has no bind setting): whoever reaches them can read

@@ -36,6 +36,7 @@ MAX_BATCH = 2048
 # First and longest wait between two looks at a running batch: a staged read's chunk takes a few
 # ms, so a longer wait would leave the link idle for a good part of it.
 POLL_S = (0.0001, 0.001)
+OVERDUE_POLL_S = 0.1  # a batch past Mooncake's own timeout: asked after less often (it may never end)
 
 
 # Mooncake's builds that read and write device memory in place (the `mooncake` package's
@@ -197,7 +198,7 @@ class MooncakeEngine:
                         now - started,
                     )
                 time.sleep(wait)  # poll interval: the engine's status has no blocking wait
-                wait = min(wait * 2, POLL_S[1])
+                wait = min(wait * 2, POLL_S[1] if now <= overdue else OVERDUE_POLL_S)
         finally:
             with self._lock:
                 self._wedged.discard(session)
