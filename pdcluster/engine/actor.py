@@ -50,7 +50,7 @@ def write_secret_file(engine_id: str, secret: str, directory: str | None = None)
     by the next engine started on the node (only files written in this pid namespace: several
     namespaces may share /tmp, as test hosts do, and a pid means nothing outside its own)."""
     directory = directory or tempfile.gettempdir()
-    namespace = _pid_namespace()
+    namespace = pid_namespace()
     if namespace:
         remove_orphan_secret_files(directory, namespace)
     fd, path = tempfile.mkstemp(
@@ -80,12 +80,15 @@ def remove_orphan_secret_files(directory: str, namespace: str) -> None:
         logger.info("removed the KV secret file %s left by a process that is gone", path.name)
 
 
-def _pid_namespace() -> str:
-    """This process's pid namespace (its inode), "" where /proc does not say."""
+def pid_namespace() -> str:
+    """This process's pid namespace: its inode and the kernel's boot id (two machines sharing a
+    TMPDIR have the same inode for their initial namespaces); "" where /proc does not say."""
     try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
+        inode = os.stat("/proc/self/ns/pid").st_ino
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:12]
     except OSError:
         return ""
+    return f"{boot}{inode}"
 
 
 def _running(pid: int) -> bool:

@@ -10,11 +10,11 @@ import stat
 import subprocess
 import sys
 
-from pdcluster.engine.actor import write_secret_file
+from pdcluster.engine.actor import pid_namespace, write_secret_file
 
 WRITER = (
     "import sys, time\n"
-    "from pdcluster.engine.actor import write_secret_file\n"
+    "from pdcluster.engine.actor import pid_namespace, write_secret_file\n"
     "print(write_secret_file(sys.argv[1], 'the-secret', sys.argv[2]), flush=True)\n"
     "time.sleep(600)\n"
 )
@@ -41,8 +41,7 @@ def test_a_killed_actors_secret_file_is_removed_by_the_next_engine_started_on_th
         with open(path) as f:
             assert f.read() == "the-secret"
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-        assert os.path.basename(path).startswith(f"pdcluster-kv-c-decode-1.{namespace}-{os.getpid()}.")
+        assert os.path.basename(path).startswith(f"pdcluster-kv-c-decode-1.{pid_namespace()}-{os.getpid()}.")
     finally:
         starting.kill()
         starting.wait(timeout=30)
@@ -51,15 +50,19 @@ def test_a_killed_actors_secret_file_is_removed_by_the_next_engine_started_on_th
 
 
 def test_a_secret_file_of_another_pid_namespace_is_left_alone(tmp_path):
-    """Hosts in pid namespaces of their own may share /tmp (the multi-node test hosts do): a pid
-    that runs no process here may run the writer there, still starting its engine. Only files
-    written in this pid namespace are swept."""
+    """Hosts in pid namespaces of their own may share /tmp (the multi-node test hosts do), and
+    machines may share a TMPDIR: a pid that runs no process here may run the writer there, still
+    starting its engine. Only files written in this pid namespace of this kernel are swept."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=30)  # a pid that runs nothing in this namespace
-    namespace = os.stat("/proc/self/ns/pid").st_ino
-    elsewhere = tmp_path / f"pdcluster-kv-c-decode-0.{namespace + 1}-{gone.pid}.abc123.secret"
+    namespace = pid_namespace()
+    boot, inode = namespace[:12], int(namespace[12:])
+    elsewhere = [  # another pid namespace of this kernel; the same one of another machine's
+        tmp_path / f"pdcluster-kv-c-decode-0.{boot}{inode + 1}-{gone.pid}.abc123.secret",
+        tmp_path / f"pdcluster-kv-c-decode-1.{'f' * 12}{inode}-{gone.pid}.abc124.secret",
+    ]
     here = tmp_path / f"pdcluster-kv-c-decode-2.{namespace}-{gone.pid}.def456.secret"
-    for path in (elsewhere, here):
+    for path in (*elsewhere, here):
         path.write_text("the-secret")
     write_secret_file("c-prefill-0", "the-secret", str(tmp_path))
-    assert elsewhere.exists() and not here.exists()
+    assert all(path.exists() for path in elsewhere) and not here.exists()
