@@ -128,17 +128,15 @@ def test_a_chat_without_an_output_limit_continues_to_the_context_length():
     assert not cont.room_after(1024, 1024) and cont.room_after(1023, 1024) and cont.room_after(5000, None)
 
 
+def decode_chunk(**extra) -> dict:
+    """A chunk of decode's continuation stream (a completions request), as vLLM sends it."""
+    choice = {"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}
+    return {"id": "cmpl-d", "object": "text_completion", "created": 1, "model": "tiny", "choices": [choice], **extra}
+
+
 def test_a_continuations_fingerprint_and_metrics_reach_the_client():
     first = cont.first_token(prefill_answer("chat"), "chat", lease())
-    last = {
-        "id": "cmpl-d",
-        "object": "text_completion",
-        "created": 1,
-        "model": "tiny",
-        "choices": [{"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}],
-        "system_fingerprint": "vllm-0.32.0-ab",
-        "metrics": {"speculative_decoding": {"num_drafts": 3}},
-    }
+    last = decode_chunk(system_fingerprint="vllm-0.32.0-ab", metrics={"speculative_decoding": {"num_drafts": 3}})
     for kind in ("chat", "completions"):
         out = cont.rewrite(json.loads(json.dumps(last)), kind, first)
         assert (out["system_fingerprint"], out["metrics"]) == (last["system_fingerprint"], last["metrics"])
@@ -152,14 +150,8 @@ def test_continuation_stream_reads_as_the_clients_own_request():
     continuous = {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     counted = [e["usage"] for e in cont.prelude(first, "chat", continuous)]
     assert [(u["prompt_tokens"], u["completion_tokens"]) for u in counted] == [(3, 0), (3, 1)]
-    chunk = {
-        "id": "cmpl-d",
-        "object": "text_completion",
-        "created": 1,
-        "model": "tiny",
-        "choices": [{"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None}],
-    }
-    out = cont.rewrite(chunk, "chat", first)
+    chunk = decode_chunk()
+    out = cont.rewrite(json.loads(json.dumps(chunk)), "chat", first)
     assert (out["id"], out["object"]) == ("cmpl-p", "chat.completion.chunk")
     assert out["choices"] == [
         {"index": 0, "delta": {"content": " x"}, "logprobs": None, "finish_reason": "length", "stop_reason": None}

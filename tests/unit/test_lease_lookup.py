@@ -163,35 +163,15 @@ def test_the_requests_of_every_producer_are_looked_up_while_others_hold_their_lo
             server.stop(0)
 
 
-def test_a_lease_found_for_a_request_that_ended_meanwhile_is_released(served, monkeypatch):
-    """The request ends while its lookup is held; its lease, filed next, is still answered to
-    that call: the consumer releases it (the producer frees the blocks now, not at expiry)."""
-    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S)
-    producer, server, client = served
-
-    def release(lease: KVParams) -> None:
-        client.release(lease.remote_request_id, transferred=False, engine_id="decode-0", timeout_s=5)
-
-    pulls: list[PullSpec] = []
-    pulls_ahead = ahead_pulls(lambda endpoint: client, pulls, release)
-    try:
-        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
-        wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
-        pulls_ahead.abandon("r-1")
-        producer.leases.add("req-1", [3], time.monotonic() + 60, key="1" * 32, handout=lease("req-1", 9))
-        wait_until(lambda: len(producer.leases) == 0, "the lease of the ended request is released")
-        assert pulls == [] and pulls_ahead.take_first_tokens() == {}
-    finally:
-        pulls_ahead.shutdown()
-
-
-@pytest.mark.parametrize("ended", ["abandoned", "forsaken"])
+@pytest.mark.parametrize("ended", ["while-held", "abandoned", "forsaken"])
 def test_a_lease_filed_after_its_request_ended_is_released(served, monkeypatch, ended):
-    """The request ends (its blocks allocated: abandoned; still queued on decode: forsaken) and
-    the lookups it had are over; its prefill files the lease only later. The key is still looked
-    up until the request's deadline, and the lease released at once: the producer's blocks are
-    not held until the lease expires (60 s here)."""
-    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", 0.2)  # lookups end and are asked again meanwhile
+    """The request ends before its prefill files the lease: while its lookup is held (the lease,
+    filed next, is answered to that call), or abandoned with its blocks allocated, or forsaken
+    while queued on decode, its lookups over by the time the lease is filed (the key is still
+    looked up until the request's deadline). The consumer releases the lease at once: the
+    producer frees the blocks now, not when the lease expires (60 s here)."""
+    held = ended == "while-held"
+    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S if held else 0.2)
     producer, server, client = served
 
     def release(lease: KVParams) -> None:
@@ -200,12 +180,15 @@ def test_a_lease_filed_after_its_request_ended_is_released(served, monkeypatch, 
     pulls: list[PullSpec] = []
     pulls_ahead = ahead_pulls(lambda endpoint: client, pulls, release)
     try:
-        if ended == "abandoned":
-            pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
-            pulls_ahead.abandon("r-1")
-        else:
+        if ended == "forsaken":
             pulls_ahead.forsake(awaiting("r-1", "1" * 32, server.address))
-        time.sleep(0.5)  # past any lookup that was in flight when it ended
+        else:
+            pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
+            if held:
+                wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
+            pulls_ahead.abandon("r-1")
+        if not held:
+            time.sleep(0.5)  # past any lookup that was in flight when it ended
         producer.leases.add("req-1", [3], time.monotonic() + 60, key="1" * 32, handout=lease("req-1", 9))
         wait_until(lambda: len(producer.leases) == 0, "the lease of the ended request is released")
         assert pulls == [] and pulls_ahead.take_first_tokens() == {}

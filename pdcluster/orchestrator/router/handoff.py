@@ -314,13 +314,9 @@ class PhaseRunner:
         ids = h.prompt.ids if h.prompt is not None else None
         if ids is not None and not continuation.room_after(len(ids) + 1, self.settings.max_model_len):
             return None
+        s = self.settings
         body = functools.partial(
-            continuation.ahead_body,
-            h.body,
-            h.kind,
-            ids,
-            defaults=self.settings.generation_defaults,
-            max_model_len=self.settings.max_model_len,
+            continuation.ahead_body, h.body, h.kind, ids, defaults=s.generation_defaults, max_model_len=s.max_model_len
         )
         return self._vouchers.send(self.http, prefill, h.answering, h.request_id, body, ids, deadline)
 
@@ -416,20 +412,16 @@ class PhaseRunner:
         """A decode stream that may migrate mid-stream gets its progress tracked (migration.py)."""
         if not (self.settings.disaggregated and self.settings.migration_limit > 0):
             return None
-        settings = self.settings
-        return migration.progress_for(
-            h.body, h.kind, settings.generation_defaults, h.first, h.params is None, settings.max_model_len
-        )
+        s = self.settings
+        return migration.progress_for(h.body, h.kind, s.generation_defaults, h.first, h.params is None, s.max_model_len)
 
     def _continuation(self, h: Handoff) -> Response:
         """Stream the prefill's first token now; the decode replica's continuation follows. The
         continuation request leaves at once and travels while the client reads the first token."""
         assert h.first is not None and h.params is not None
         relay = Relay(h)
-        settings = self.settings
-        body = continuation.decode_body(
-            h.body, h.kind, h.first, h.params, settings.generation_defaults, settings.max_model_len
-        )
+        s = self.settings
+        body = continuation.decode_body(h.body, h.kind, h.first, h.params, s.generation_defaults, s.max_model_len)
         if h.ahead is not None:
             relay.pending = h.ahead.pending  # already on its way; `body` only if it fails
         else:
