@@ -80,16 +80,18 @@ def awaiting(request_id: str, key: str, endpoint: str = "127.0.0.1:1") -> PullSp
     return PullSpec(request_id, None, (), (5,), awaiting=AwaitParams(key, voucher, time.time() + 600), num_tokens=100)
 
 
-def ahead_pulls(connection, pulls: list, release=lambda lease: None) -> AheadPulls:
+def ahead_pulls(
+    connection, pulls: list, release=lambda lease: None, report_failed=lambda *failed: None, timeout_s: float = 5
+) -> AheadPulls:
     """The consumer's lookups, dialing the producer each request's voucher names."""
     return AheadPulls(
         engine_id="decode-0",
         params_key=PARAMS_KEY,
-        timeout_s=5,
+        timeout_s=timeout_s,
         endpoint_for=lambda params: params.remote_endpoints[0],
         connection=connection,
         submit_pull=pulls.append,
-        report_failed=lambda *failed: None,
+        report_failed=report_failed,
         release=release,
     )
 
@@ -213,15 +215,9 @@ def test_under_tensor_parallel_a_rank_that_gave_up_reports_once_told_the_request
         "gave up": lambda endpoint: create_transport("grpc", KVTransferSettings(secret=SECRET)).connect(endpoint),
     }
     for rank, connection in connections.items():
-        ranks[rank] = AheadPulls(
-            engine_id="decode-0",
-            params_key=PARAMS_KEY,
-            timeout_s=2,
-            endpoint_for=lambda params: params.remote_endpoints[0],
-            connection=connection,
-            submit_pull=found_pulls.append,
-            report_failed=lambda *failed, rank=rank: reports[rank].append(failed),
-            release=lambda lease: None,
+        report = reports[rank].append
+        ranks[rank] = ahead_pulls(
+            connection, found_pulls, report_failed=lambda *failed, r=report: r(failed), timeout_s=2
         )
     try:
         producer.leases.add("req-1", [3], time.monotonic() + 60, key="1" * 32, handout=lease("req-1", 9))
