@@ -201,27 +201,22 @@ def decode_body(
 ) -> dict[str, Any]:
     """The continuation request for the decode replica (sent to CONTINUATION_PATH)."""
     prompt = [*first.prompt_ids, first.token_id]
-    return _continuation_body(
-        body, kind, prompt, kv_params, defaults, tokens_left(body, kind, defaults, prompt, max_model_len)
-    )
+    return _continuation_body(body, kind, prompt, len(prompt), kv_params, defaults, max_model_len)
 
 
-def tokens_left(
-    body: dict[str, Any], kind: str, defaults: dict[str, Any] | None, context: list[int], max_model_len: int | None
-) -> int | None:
-    """How many tokens a continuation over `context` (the prompt and the tokens so far) may
-    generate when the client set no limit: up to the context length, as vLLM runs such a chat
-    (None: the client's limit applies, or the context length is unknown)."""
-    if output_limit(with_defaults(body, kind, defaults or {}), kind) is not None or not max_model_len:
-        return None
-    return max_model_len - len(context)
+def tokens_left(context_len: int, max_model_len: int | None) -> int | None:
+    """How many tokens may follow a context of this many tokens (the prompt and the tokens so
+    far) before the context length: what a request without an output limit generates, as vLLM
+    runs such a chat (None: the context length is unknown)."""
+    return None if not max_model_len else max_model_len - context_len
 
 
 def room_after(context_len: int, max_model_len: int | None) -> bool:
     """Whether a context of this many tokens leaves room for one more (unknown length: assumed).
     A continuation over a prompt one short of the context length would be refused (no token
     left to generate): such a request takes the classic path, where token 1 is its whole answer."""
-    return not max_model_len or context_len < max_model_len
+    left = tokens_left(context_len, max_model_len)
+    return left is None or left > 0
 
 
 def ahead_body(
@@ -234,17 +229,18 @@ def ahead_body(
 ) -> dict[str, Any]:
     """The continuation sent with the prefill request (router.decode_ahead): over the prompt
     alone, the first token to come with the lease (`kv_params`: AwaitParams.to_dict())."""
-    left = tokens_left(body, kind, defaults, [*prompt_ids, 0], max_model_len)  # the first token joins the prompt
-    return _continuation_body(body, kind, list(prompt_ids), kv_params, defaults, left)
+    # the first token joins the prompt on decode (the connector appends it)
+    return _continuation_body(body, kind, list(prompt_ids), len(prompt_ids) + 1, kv_params, defaults, max_model_len)
 
 
 def _continuation_body(
     body: dict[str, Any],
     kind: str,
     prompt: list[int],
+    context_len: int,
     kv_params: dict[str, Any],
     defaults: dict[str, Any] | None,
-    left: int | None,
+    max_model_len: int | None,
 ) -> dict[str, Any]:
     body = with_defaults(body, kind, defaults or {})
     out = {
@@ -253,7 +249,7 @@ def _continuation_body(
         if key in CONTINUABLE_FIELDS and key not in ("max_tokens", "max_completion_tokens", "min_tokens", "n")
     }
     limit = output_limit(body, kind)
-    out["max_tokens"] = left if limit is None else limit - 1
+    out["max_tokens"] = tokens_left(context_len, max_model_len) if limit is None else limit - 1
     if body.get("min_tokens"):
         out["min_tokens"] = max(0, int(body["min_tokens"]) - 1)
     # the token ids let the stream move to another decode replica if this one fails (migration.py)

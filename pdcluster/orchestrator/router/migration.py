@@ -147,8 +147,7 @@ def resume_body(
     done = len(progress.generated)
     limit = continuation.output_limit(body, kind)
     context = [*progress.prompt_ids, *progress.generated]
-    left = continuation.tokens_left(body, kind, None, context, max_model_len)
-    out["max_tokens"] = left if limit is None else max(1, limit - done)
+    out["max_tokens"] = continuation.tokens_left(len(context), max_model_len) if limit is None else max(1, limit - done)
     if body.get("min_tokens"):
         out["min_tokens"] = max(0, int(body["min_tokens"]) - done)
     out.update(prompt=context, stream=True, return_token_ids=True)
