@@ -327,9 +327,9 @@ def _stop_foreground(session) -> bool:
 
 def _connect_quietly(session) -> None:
     if session.head_pid is not None:
-        from pdcluster.orchestrator.session import process_group_alive
+        from pdcluster.pidfds import group_running
 
-        if not process_group_alive(session.head_pid):
+        if not group_running(session.head_pid):
             return  # the head is gone already: nothing to connect to
     ray_connect(session.ray_address, session.namespace)
 

@@ -1,10 +1,12 @@
-"""Whether a process (held by a pidfd) exited: its pidfd becomes readable.
+"""Whether a process runs: held by a pidfd (readable once the process exited), or by its pid or
+process group (signal 0).
 
 poll(), not select(): select() refuses descriptors past 1024 (ValueError), and a process holding
 many descriptors (connections to its ports, an engine's sockets) gets such numbers."""
 
 from __future__ import annotations
 
+import os
 import select
 
 
@@ -13,3 +15,23 @@ def exited(pidfd: int, timeout_s: float | None = 0) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(None if timeout_s is None else timeout_s * 1000))
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs in this pid namespace (another user's counts)."""
+    return _signal_zero(os.kill, pid)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether any process of group `pgid` runs (another user's counts)."""
+    return _signal_zero(os.killpg, pgid)
+
+
+def _signal_zero(send, target: int) -> bool:
+    try:
+        send(target, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True

@@ -19,6 +19,7 @@ from typing import Any
 from pdcluster.addresses import binds_every_address, node_ip
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.logs import setup_logging
+from pdcluster.pidfds import running
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def remove_orphan_secret_files(directory: str, namespace: str) -> None:
         if written_in != namespace or not pid.isdigit():
             continue  # another namespace's (or not named by write_secret_file)
         try:
-            if path.stat().st_uid != os.getuid() or _running(int(pid)):
+            if path.stat().st_uid != os.getuid() or running(int(pid)):
                 continue
             path.unlink()
         except FileNotFoundError:
@@ -89,16 +90,6 @@ def pid_namespace() -> str:
     except OSError:
         return ""
     return f"{boot}{inode}"
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
 
 
 class EngineActor:

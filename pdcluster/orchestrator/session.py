@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdcluster.errors import ConfigError, PDClusterError
+from pdcluster.pidfds import group_running
 
 HEAD_START_TIMEOUT_S = 120
 
@@ -48,7 +49,7 @@ class Session:
         """Its Ray is gone: the head we started has exited, or the joined cluster's GCS does not
         answer."""
         if self.head_pid is not None:
-            return not process_group_alive(self.head_pid)
+            return not group_running(self.head_pid)
         host, _, port = self.ray_address.rpartition(":")
         if not port.isdigit():
             return False  # "auto" and the like: Ray finds it; not ours to judge
@@ -205,16 +206,6 @@ def _drain_in_background(proc: subprocess.Popen, log) -> None:
     threading.Thread(target=pump, daemon=True, name="ray-head-log").start()
 
 
-def process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def stop_process_group(pgid: int, timeout_s: float = 5.0) -> None:
     """SIGTERM the group, SIGKILL whatever is left after timeout_s.
 
@@ -229,7 +220,7 @@ def stop_process_group(pgid: int, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             _reap(pgid)
-            if not process_group_alive(pgid):
+            if not group_running(pgid):
                 return
             time.sleep(0.1)  # polling a process group's exit (no event exists for it)
 

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from pdcluster.orchestrator.session import process_group_alive, start_local_head, stop_process_group
+from pdcluster.orchestrator.session import start_local_head, stop_process_group
+from pdcluster.pidfds import group_running
 from tests.support.cluster import PDCLUSTER, cli, require_clusters_lane, write_config
 from tests.support.engines import REPO
 
@@ -116,7 +117,7 @@ def test_a_ray_head_port_taken_before_ray_binds_it_is_replaced_by_another(tmp_pa
         taken = holder.getsockname()[1]
         address, pid = start_local_head(1, log, port=taken)
     try:
-        assert process_group_alive(pid)
+        assert group_running(pid)
         host, port = address.rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) != taken
         text = log.read_text(errors="replace")
