@@ -246,7 +246,7 @@ def mark_cut_streams(detailed: dict, output_len: int) -> None:
     if cut:
         detailed["errors"] = errors
         detailed["failed"] = (detailed.get("failed") or 0) + len(cut)
-        detailed["completed"] = (detailed.get("completed") or len(lens)) - len(cut)
+        detailed["completed"] = detailed.get("completed", len(lens)) - len(cut)
 
 
 def attainment(detailed: dict) -> dict[str, float]:
