@@ -122,7 +122,7 @@ def _depth(value: Any) -> int:
 
 # Keys of vllm_xargs (a request's extra_args) that vLLM's engine reads as KV controls
 # (vllm/v1/request.py), bypassing the check on kv_transfer_params above: transfer params would reach
-# the engines' KV connectors unchecked (a string there stops the engine core), and a "full" KV cache
+# the engines' KV connectors unchecked (a string there failed the request with a 500), and a "full" KV cache
 # report mode re-publishes each prefix-cache hit as blocks stored, which the router's cache index
 # would count as held after their eviction.
 RESERVED_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
