@@ -375,7 +375,7 @@ def test_huge_body_is_refused_and_cluster_keeps_serving(cluster, client):
 def test_kv_controls_in_vllm_xargs_are_refused_and_no_engine_is_hurt(cluster, client):
     """vLLM reads kv_transfer_params and the KV cache report mode from a request's vllm_xargs
     too: a client's would reach an engine's KV connector past the router's own check (a string
-    there stops the engine core). Refused, on the P/D path and on decode's own (n > 1), and every
+    there was a 500). Refused, on the P/D path and on decode's own (n > 1), and every
     replica serves on, the same processes."""
     ready = cluster.wait_status(lambda s: all(r["state"] == "ready" for r in s["replicas"]), 300, "every replica ready")
     before = {r["replica"]: r["pid"] for r in ready["replicas"]}
