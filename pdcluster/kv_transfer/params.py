@@ -31,6 +31,11 @@ DO_REMOTE_PREFILL = "do_remote_prefill"
 # What the router sends a prefill: compute the prompt, keep its KV for a decode elsewhere.
 ASK_PREFILL: dict[str, Any] = {DO_REMOTE_DECODE: True}
 
+# A prefill request whose stop at its first token the router answers itself (a streamed request
+# that takes its first token from the prefill: router/continuation.stopped): its producer keeps no
+# lease when the request stopped (EOS, a stop token), as no decode will pull it.
+STOP_ENDS = "pdcluster_stop_ends"
+
 # Decode admitted ahead of its prefill (router.decode_ahead): the router picks a random key, asks
 # the prefill to file its lease under it (LEASE_KEY beside ASK_PREFILL) and sends decode an
 # AwaitParams under AWAIT. Decode's connector fetches the lease, and the prefill's first token,

@@ -251,6 +251,8 @@ class ConnectorScheduler:
             return False, None
         if not (self.is_producer and kvp.wants_remote_decode(params)):
             return False, None
+        if request.status == RequestStatus.FINISHED_STOPPED and params.get(kvp.STOP_ENDS):
+            return False, None  # the router answers it from the prefill's answer: nobody pulls
         if (
             request.status
             not in (

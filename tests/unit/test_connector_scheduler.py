@@ -266,6 +266,31 @@ def test_producer_leases_what_it_computed(tmp_path):
     assert held.block_ids == tuple(blocks) and abs(held.expiry_unix - given.remote_lease_expiry) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "stop_ends, status, leased",
+    [(True, "FINISHED_STOPPED", False), (False, "FINISHED_STOPPED", True), (True, "FINISHED_LENGTH_CAPPED", True)],
+)
+def test_a_prefill_that_stopped_where_the_router_answers_it_keeps_no_lease(tmp_path, stop_ends, status, leased):
+    """A prefill request marked STOP_ENDS (the router answers a stop at token 1 from the answer)
+    that stopped at its first token keeps no lease: no decode will pull it. Unmarked, or cut at
+    its one token (the usual prefill), it leases its blocks."""
+    from vllm.v1.request import RequestStatus
+
+    from pdcluster.kv_transfer.metadata import PDHandshakeMetadata
+    from pdcluster.kv_transfer.params import STOP_ENDS
+
+    scheduler, hasher = make_scheduler(vllm_config(tmp_path, "kv_producer"))
+    connector = scheduler.connector
+    connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata(endpoint="198.18.0.5:47001")})
+    req = request(hasher, PROMPT[:300], {**ASK_PREFILL, STOP_ENDS: stop_ends}, max_tokens=1)
+    scheduler.add_request(req)
+    step(scheduler)
+    req.status = RequestStatus[status]
+    keep, params = connector.request_finished(req, local_blocks(scheduler, req))
+    assert (keep, params is not None) == (leased, leased)
+    assert len(connector.build_connector_meta(None).new_leases) == leased
+
+
 def test_a_producer_whose_worker_shares_the_process_files_its_lease_at_once(tmp_path):
     """Single-process engines: the worker half registered its producer in this process, so the
     lease is filed there when the prefill finishes; a consumer looking it up by key finds it

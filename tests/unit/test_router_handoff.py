@@ -489,6 +489,68 @@ def sent_ahead(router: Router, decode: StandIn | dict[str, StandIn], prompt: lis
     return response, lines, prefill
 
 
+async def stopped_prefill(call, out):
+    """A prefill that stopped at its first token (EOS, token 2): its whole answer, no lease (the
+    producer keeps none for a request marked STOP_ENDS)."""
+    choice = {"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [2]}
+    if call.path == "/v1/chat/completions":
+        choice["message"] = {"role": "assistant", "content": "", "reasoning": None, "tool_calls": []}
+    else:
+        choice.update(text="", prompt_token_ids=PROMPT_IDS)
+    usage = {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
+    answer = {"id": "cmpl-p", "created": 1, "model": "tiny", "choices": [choice], "usage": usage}
+    await out.json({**answer, "system_fingerprint": "fp", "kv_transfer_params": None})
+
+
+@pytest.mark.parametrize("decode_ahead", [False, True], ids=["after-prefill", "ahead"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prefill_that_stopped_at_its_first_token_is_the_whole_answer(path, decode_ahead):
+    """A stream whose prefill stopped at token 1 gets the prefill's answer as vLLM streams it, and
+    decode is not asked (it would sample token 1 again: a sampled request would stop there with
+    the square of its probability); a continuation sent ahead is dropped, and no prefill is
+    asked again. The prefill request told its producer to keep no lease for a stop."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, decode_ahead=decode_ahead))
+    prefill, decode = StandIn(prefill_answer()), StandIn(decode_answer)
+    body = {"model": "tiny", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    chat = path == "/v1/chat/completions"
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": PROMPT_IDS}
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            await post(url, "/v1/completions", {**body, "prompt": PROMPT_IDS})  # its lease: a voucher
+            prefill.answer = stopped_prefill
+            return await post(url, path, {**body, **prompt})
+        finally:
+            await router.stop()
+            prefill.close(), decode.close()
+
+    response, lines = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""], lines
+    assert "x-pdcluster-decode" not in response.headers
+    end = {"logprobs": None, "finish_reason": "stop", "stop_reason": None}
+    choices = [[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]]
+    choices = (
+        [*choices, [{"index": 0, "delta": {"content": ""}, **end}]] if chat else [[{"index": 0, "text": "", **end}]]
+    )
+    events = data(lines)
+    assert [e["choices"] for e in events] == [*choices, []]
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
+    assert events[-1]["system_fingerprint"] == "fp" and all(e["id"] == "cmpl-p" for e in events)
+    assert len(prefill.posts()) == 2 and prefill.posts()[1].body["kv_transfer_params"][kvp.STOP_ENDS] is True
+    # decode saw at most the continuation sent ahead (dropped: cancelled, or closed once it arrived)
+    assert all(kvp.AWAIT in c.body["kv_transfer_params"] for c in decode.posts()[1:])
+    assert metric(router, 'pdcluster_decode_ahead_total{outcome="dropped"}') == (decode_ahead and not chat)
+    assert metric(router, 'pdcluster_first_token_source_total{role="prefill"}') == 2
+    ok = [
+        metric(router, f'pdcluster_requests_total{{endpoint="{kind}",outcome="ok"}}')
+        for kind in ("completions", "chat")
+    ]
+    assert ok == ([1, 1] if chat else [2, 0])  # with the voucher's request
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+
+
 @pytest.mark.parametrize("prompt, outcome", [(PROMPT_IDS, "streamed"), ([11, 12, 99], "dropped")])
 def test_a_continuation_sent_ahead_is_streamed_only_if_the_prefill_computed_what_it_assumed(prompt, outcome):
     """router.decode_ahead: once a prefill replica's lease vouches for it, the continuation leaves

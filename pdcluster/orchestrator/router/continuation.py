@@ -25,12 +25,14 @@ generation defaults (generation_config.json) counted as if the client had sent t
 else takes the classic path: stop strings (one could straddle the two replicas' texts),
 logprobs, echo, tools, response formats, penalties over output tokens, a seed (the continuation
 would draw its second token from a fresh generator: another text than one engine gives); and so
-does a prefill that stopped at its first token, returned an incomplete UTF-8 character, or
-computed fewer tokens than the prompt (MTP back-off).
+does a prefill that returned an incomplete UTF-8 character or computed fewer tokens than the
+prompt (MTP back-off). A prefill that stopped at its first token (EOS, a stop token) is the whole
+answer: the router streams it and no decode replica sees the request (`stopped`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,7 +167,7 @@ def first_token(answer: dict[str, Any], kind: str, lease: KVParams) -> FirstToke
     """The prefill's first token, if the decode replica can continue after it; else None."""
     choices = answer.get("choices") or []
     if len(choices) != 1 or choices[0].get("finish_reason") != "length":
-        return None  # stopped at its first token (EOS, stop token): the classic path ends it
+        return None  # stopped at its first token (EOS, stop token): `stopped` answers it
     choice = choices[0]
     ids = choice.get("token_ids")
     if kind == "completions":
@@ -263,13 +265,61 @@ CARRIED_FIELDS = ("system_fingerprint", "metrics")
 
 
 def _event(first: FirstToken, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return _chunk(first.response_id, first.created, first.model, kind, choices)
+
+
+def _chunk(response_id: str, created: int, model: str, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "id": first.response_id,
+        "id": response_id,
         "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-        "created": first.created,
-        "model": first.model,
+        "created": created,
+        "model": model,
         "choices": choices,
     }
+
+
+def stopped(answer: dict[str, Any], kind: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A prefill answer that stopped at its first token (EOS, a stop token) as the stream vLLM
+    sends for it: the whole answer, so the router ends the request there (None: it did not stop).
+    Handing it to decode instead would sample token 1 again: a sampled request would end at
+    token 1 with the square of its probability (the prefill's draw and decode's both stopping).
+    The prefill request asked its producer to keep no lease for it (params.STOP_ENDS)."""
+    choices = answer.get("choices")
+    if not (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)):
+        return None
+    choice = choices[0]
+    if choice.get("finish_reason") != "stop":
+        return None
+    end = {"finish_reason": "stop", "stop_reason": choice.get("stop_reason")}
+    chunk = functools.partial(
+        _chunk, str(answer.get("id", "")), int(answer.get("created", 0)), str(answer.get("model", "")), kind
+    )
+    if kind == "chat":
+        message = choice.get("message") or {}
+        # what the message says besides its role (content; reasoning where a parser split it)
+        delta = {key: value for key, value in message.items() if key != "role" and value not in (None, "", [])}
+        delta.setdefault("content", "")
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        events = [chunk([role]), chunk([{"index": 0, "delta": delta, "logprobs": None, **end}])]
+        generated = [0, 1]
+    else:
+        events = [chunk([{"index": 0, "text": choice.get("text") or "", "logprobs": None, **end}])]
+        generated = [1]
+    usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+    options = body.get("stream_options") or {}
+    if options.get("include_usage") and options.get("continuous_usage_stats"):
+        prompt = usage.get("prompt_tokens", 0)
+        for event, n in zip(events, generated):
+            event["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n}
+    last = events[-1]
+    if options.get("include_usage"):
+        last = chunk([])
+        last["usage"] = usage
+        events.append(last)
+    for key in CARRIED_FIELDS:  # on the last chunk, as vLLM puts them (metrics: on usage only)
+        if answer.get(key) is not None and (key != "metrics" or options.get("include_usage")):
+            last[key] = answer[key]
+    return events
 
 
 def prelude(first: FirstToken, kind: str, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -53,6 +53,7 @@ from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation, migration
 from pdcluster.orchestrator.router.ahead import Ahead, Vouchers, lease_lost
+from pdcluster.orchestrator.router.bodies import answer_body, prefill_body
 from pdcluster.orchestrator.router.cache_index import Prompt
 from pdcluster.orchestrator.router.pool import ReplicaPool, exhausted
 from pdcluster.orchestrator.router.relay import (
@@ -65,15 +66,13 @@ from pdcluster.orchestrator.router.relay import (
     has_token,
     mid_stream_error,
     upstream_error_event,
+    whole_stream,
 )
 from pdcluster.orchestrator.router.requests import error_response, prompt_count
 from pdcluster.orchestrator.router.settings import ENDPOINTS, RouterSettings
 from pdcluster.orchestrator.router.upstream import PhaseFailed, ReachedThenFailed, outcome_for, post
 
 logger = logging.getLogger(__name__)
-
-# Fields of the client's request that the prefill (one token, not streamed) must not get.
-PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo")
 
 
 @dataclass(eq=False)
@@ -236,13 +235,12 @@ class PhaseRunner:
     def _route(self, h: Handoff) -> None:
         """Decide a disaggregated request's path once its decode replica is chosen (counted by serve):
         `pd` (prefill, then decode pulls the KV), `decode` (decode computes the prompt: several
-        choices or prompts, or no prefill ready) or `local_prefill` (conditional disaggregation: the decode
-        replica holds all but at most router.local_prefill_max_tokens of the prompt, or the
-        prompt is that short, so it computes the rest itself: no prefill hop, no transfer), or
-        `local_queue` (the same for a prompt of at most router.local_prefill_queue_tokens tokens
-        to compute while every ready prefill replica has at least that many in flight: it would
-        queue there longer than decode takes to compute it, and no longer prompt stalls decode's
-        streams this way)."""
+        choices or prompts, or no prefill ready), `local_prefill` (conditional disaggregation: the
+        decode replica holds all but at most router.local_prefill_max_tokens of the prompt, or the
+        prompt is that short: it computes the rest itself, no prefill hop, no transfer), or
+        `local_queue` (the same for at most router.local_prefill_queue_tokens tokens to compute
+        while every ready prefill replica has that many in flight: it would queue there longer
+        than decode takes to compute it, and no longer prompt stalls decode's streams this way)."""
         if not self.settings.disaggregated or h.route is not None:
             return
         assert h.answering is not None
@@ -296,7 +294,8 @@ class PhaseRunner:
         ahead = self._send_ahead(h, prefill)
         started = time.perf_counter()
         try:
-            response = await post(self.http, prefill, h.path, self._prefill_body(h, ahead), False, h.request_id)
+            body = prefill_body(h.body, h.kind, h.continuing, ahead.key if ahead else None)
+            response = await post(self.http, prefill, h.path, body, False, h.request_id)
             return self._prefilled(h, prefill, response, started, ahead)
         finally:
             h.drop(prefill)
@@ -332,9 +331,15 @@ class PhaseRunner:
             return Response(response.content, status_code=response.status_code, media_type="application/json")
         try:
             answer = response.json()
-            lease = KVParams.from_dict(answer.get("kv_transfer_params"))
+            stop = continuation.stopped(answer, h.kind, h.body) if h.continuing else None
+            if stop is None:
+                lease = KVParams.from_dict(answer.get("kv_transfer_params"))
         except (ValueError, AttributeError) as exc:  # not JSON, not an object, or no usable lease
             raise ReplicaError(f"prefill replica {prefill.replica_id} returned an unusable answer: {exc}") from None
+        if stop is not None:  # it stopped at token 1: the client's whole answer, decode not asked
+            h.answering = None  # its hold ends with the request's (serve)
+            self.metrics.first_token_source.labels("prefill").inc()
+            return whole_stream(h, TokenClock(self.metrics, prefill.replica_id, h.started), stop)
         if self._faults.random() < self.settings.abandon_after_prefill_rate:
             # Injected fault: the client is gone between phases; nobody pulls this KV.
             h.finish("abandoned", e2e=False)
@@ -360,27 +365,13 @@ class PhaseRunner:
         self.metrics.first_token_source.labels("prefill" if h.first is not None else "decode").inc()
         return None
 
-    @staticmethod
-    def _prefill_body(h: Handoff, ahead: Ahead | None) -> dict[str, Any]:
-        body = {key: value for key, value in h.body.items() if key not in PREFILL_DROPS}
-        params = dict(kvp.ASK_PREFILL)
-        if ahead is not None:
-            params[kvp.LEASE_KEY] = ahead.key
-        body.update(stream=False, max_tokens=1, kv_transfer_params=params)
-        if h.kind == "chat":
-            body["max_completion_tokens"] = 1
-        if body.get("min_tokens"):
-            body["min_tokens"] = 1  # the one token still may not end the answer (EOS masked)
-        if h.continuing:
-            body["return_token_ids"] = True
-        return body
-
     async def _deliver(self, h: Handoff) -> Response:
         """Send the request to the replica that answers it and relay the answer (stream or JSON)."""
         assert self.http is not None and h.answering is not None
         replica = h.answering
         progress = self._progress(h)
-        upstream = await post(self.http, replica, h.path, self.answer_body(h, progress), h.stream, h.request_id)
+        body = answer_body(h.body, h.params, tracked=progress is not None)
+        upstream = await post(self.http, replica, h.path, body, h.stream, h.request_id)
         headers = h.served_by()
         if not h.stream:
             h.drop(replica)
@@ -400,13 +391,6 @@ class PhaseRunner:
         return RelayResponse(
             closing(relay, migration.relayed(self, h, relay, upstream, clock, None, progress)), relay, headers
         )
-
-    @staticmethod
-    def answer_body(h: Handoff, progress: migration.Progress | None) -> dict[str, Any]:
-        """What the replica that answers gets: the client's request, the lease if there is one,
-        and the token ids a migration continues from when the stream may migrate."""
-        body = h.body if h.params is None else {**h.body, "kv_transfer_params": h.params}
-        return body if progress is None else {**body, "return_token_ids": True}
 
     def _progress(self, h: Handoff) -> migration.Progress | None:
         """A decode stream that may migrate mid-stream gets its progress tracked (migration.py)."""

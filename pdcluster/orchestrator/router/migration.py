@@ -28,6 +28,7 @@ import httpx
 from pdcluster.errors import NoReplicaError, PDClusterError, ReplicaError
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router import continuation
+from pdcluster.orchestrator.router.bodies import answer_body
 from pdcluster.orchestrator.router.relay import (
     Relay,
     Rewrite,
@@ -218,7 +219,7 @@ async def _move(
     h.excluded.setdefault("decode", []).append(failed.replica_id)
     h.answering = h.choose("decode")  # NoReplicaError when none is left
     if progress.can_restart:
-        path, body = h.path, runner.answer_body(h, progress)
+        path, body = h.path, answer_body(h.body, h.params, progress is not None)
     else:
         path = continuation.CONTINUATION_PATH
         body = resume_body(h.body, h.kind, progress, runner.settings.generation_defaults, runner.settings.max_model_len)

@@ -164,6 +164,16 @@ class RelayResponse(StreamingResponse):
             await self.relay.close()
 
 
+def whole_stream(handoff: Handoff, clock: TokenClock, events: list[dict[str, Any]]) -> StreamingResponse:
+    """A stream the router has whole (a prefill's answer that ended the request) in one write,
+    ended with [DONE]; the request ends here (its holds end as the response is returned)."""
+    clock.tokens(sum(map(has_token, events)))
+    handoff.finish()
+    data = "".join(f"data: {json.dumps(event)}\n\n" for event in events).encode() + DONE
+    headers = {"Cache-Control": "no-cache", **handoff.served_by()}
+    return StreamingResponse(iter([data]), media_type="text/event-stream", headers=headers)
+
+
 async def closing(relay: Relay, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """`chunks`, then the relay's cleanup, which so runs before the response's final write."""
     try:

@@ -142,34 +142,59 @@ def pull_failures(engine) -> dict[str, int]:
     return {cause: n for cause, n in causes.items() if cause != "abandoned"}
 
 
-def test_a_dropped_continuation_sent_ahead_leaves_its_lease_to_a_fresh_prefill(engines):
-    """router.decode_ahead, a stream whose first token is a stop token: the prefill's answer ends
-    there, so the continuation sent ahead is dropped, and its decode engine may have pulled and
-    released the lease filed under its key by then. The request is prefilled again for a fresh
-    lease: no pull fails on decode (the request after the drop once carried the released lease),
-    and the answer is the aggregated engine's."""
+def streamed(events) -> list[tuple]:
+    """What a stream's events say, without their ids: each choice's text, finish and stop reason,
+    and the usage."""
+    said = []
+    for event in events:
+        for c in event["choices"]:
+            said.append(
+                (c.get("text", (c.get("delta") or {}).get("content")), c["finish_reason"], c.get("stop_reason"))
+            )
+        if event.get("usage"):
+            said.append({k: event["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
+    return said
+
+
+@pytest.mark.parametrize("decode_ahead", [False, True], ids=["after-prefill", "ahead"])
+def test_a_stream_that_stops_at_its_first_token_is_the_prefills_answer(engines, decode_ahead):
+    """A stream whose first token is a stop token: the prefill's answer is the whole answer, as the
+    aggregated engine streams it, and decode is not asked (before: decode sampled token 1 again,
+    so a sampled request stopped there with the square of its probability; with decode_ahead the
+    request was also prefilled twice). Decode pulls nothing, the prefill is asked once, and the
+    producer keeps no lease (its blocks come back well before a lease would expire)."""
     voucher, prompt = token_prompt(70, offset=9000), token_prompt(110, offset=9400)
     first = complete(engines["agg"], prompt, 1, return_token_ids=True).json()["choices"][0]["token_ids"][0]
-    stop = {"stop_token_ids": [first]}
-    expected = complete(engines["agg"], prompt, 10, **stop).json()["choices"][0]
+    body = {"model": NAME, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stop_token_ids": [first]}
+    body.update(stream=True, stream_options={"include_usage": True})
+    with engines["agg"].client() as client:
+        with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+            expected = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
-    failed_before = pull_failures(engines["decode"])
+    prefill, decode = engines["prefill"], engines["decode"]
+    pulls_before = info(decode)["stats"]["kv_pulls_ok"]
+    failed_before = pull_failures(decode)
 
     async def requests(client):
-        texts = []
-        for prompt_ids, extra in ((voucher, {}), (prompt, stop)):
-            body = {"model": NAME, "prompt": prompt_ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-            async with client.stream("POST", "/v1/completions", json={**body, **extra, "stream": True}) as response:
-                assert response.status_code == 200
-                events = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
-            texts.append(("".join(c["text"] for e in events for c in e["choices"]), events[-1]["choices"][0]))
-        return texts
+        answers = []
+        for prompt_ids in (voucher, prompt):  # under decode_ahead the first request's lease is the voucher
+            extra = {} if prompt_ids is voucher else {"stop_token_ids": [first]}
+            async with client.stream("POST", "/v1/completions", json={**body, **extra, "prompt": prompt_ids}) as r:
+                assert r.status_code == 200
+                answers.append([json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")])
+        return answers
 
-    texts, metrics, inflight = through_router(engines, replicas, requests, decode_ahead=True)
-    text, last = texts[1]
-    assert (text, last["finish_reason"]) == (expected["text"], expected["finish_reason"]) == ("", "stop")
-    assert 'pdcluster_decode_ahead_total{outcome="dropped"} 1.0' in metrics
-    assert pull_failures(engines["decode"]) == failed_before
+    (_, events), metrics, inflight = through_router(engines, replicas, requests, decode_ahead=decode_ahead)
+    assert streamed(events) == streamed(expected)
+    assert streamed(events)[0][1:] == ("stop", first)
+    wait_for(lambda: info(prefill)["stats"]["kv_cache_usage"] == 0.0, LEASE_S / 2, "the prefill's blocks back")
+    wait_for(lambda: info(decode)["stats"]["kv_pulls_ok"] > pulls_before, 30, "the voucher request's pull counted")
+    assert info(decode)["stats"]["kv_pulls_ok"] - pulls_before == 1  # the voucher request's pull only
+    assert pull_failures(decode) == failed_before
+    assert "pdcluster_prefill_seconds_count 2.0" in metrics
+    assert 'pdcluster_first_token_source_total{role="prefill"} 2.0' in metrics
+    if decode_ahead:
+        assert 'pdcluster_decode_ahead_total{outcome="dropped"} 1.0' in metrics
     assert all(count == 0 for count in inflight.values())
 
 
