@@ -55,6 +55,33 @@ def test_a_decode_that_dies_mid_stream_is_continued_on_another_without_an_error(
     assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
 
 
+@pytest.mark.parametrize("first_token_from_prefill", [False, True])
+def test_a_stream_broken_mid_character_resumes_before_the_characters_first_bytes(serve, first_token_from_prefill):
+    """The stream breaks after a token whose bytes begin a character (vLLM holds them back: its
+    event has no text). A stream resumed after it would be detokenized from its start (the client
+    got the whole prompt's text again); it resumes before it, and that token comes again."""
+    router = Router(
+        RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=first_token_from_prefill)
+    )
+
+    async def dies_mid_character(call, out):
+        events = token_events([100, 101, 102], prompt=PROMPT_IDS)
+        held = json.loads(events[2][6:])
+        held["choices"][0]["text"] = ""  # 102: a character's first bytes
+        await out.sse([*events[:2], f"data: {json.dumps(held)}"], then_hang_up=True)
+
+    prefill, dying, survivor = StandIn(prefill_answer()), StandIn(dies_mid_character), StandIn(resuming_decode)
+    body = {**COMPLETION, "max_tokens": 6, "stream": True, "temperature": 0}
+    response, lines = serve(router, {"prefill-0": prefill, "decode-0": dying, "decode-1": survivor}, body, [])
+    assert response.status_code == 200 and lines[-2:] == ["data: [DONE]", ""], lines
+    kept = [42, 100, 101] if first_token_from_prefill else [100, 101]
+    [resumed] = survivor.posts()
+    assert resumed.body["prompt"] == PROMPT_IDS + kept and resumed.body["max_tokens"] == 6 - len(kept)
+    texts = [c["text"] for e in data(lines) for c in e["choices"]]
+    first = [" first"] if first_token_from_prefill else []
+    assert texts == first + [" t100", " t101", ""] + [f" t{t}" for t in range(100 + len(kept), 106)]
+
+
 def test_a_decode_alone_that_dies_before_its_first_event_starts_the_request_over_on_another(serve):
     """Decode computing a request alone (no prefill replica, or the local-prefill path) answers,
     then dies while computing the prompt: the client has nothing yet, so the same request starts

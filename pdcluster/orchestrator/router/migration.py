@@ -85,10 +85,20 @@ class Progress:
     finished: bool = False  # an event carried a finish_reason: nothing is left to generate
     header: continuation.FirstToken | None = None  # the first response's id, created, model
     restartable: bool = False  # no lease to pull: the request may start over on another replica
+    settled: int = 0  # of `generated`, the tokens whose text the client has (see back_off)
 
     @classmethod
     def after_first_token(cls, first: continuation.FirstToken) -> Progress:
-        return cls(list(first.prompt_ids), [first.token_id], header=first)
+        return cls(list(first.prompt_ids), [first.token_id], header=first, settled=1)
+
+    def back_off(self) -> None:
+        """Forget the tokens after the last one whose text reached the client: the first bytes
+        of a character, which vLLM's detokenizer holds back (their events carry no text). A
+        stream resumed after them would be detokenized from its start: the client would get the
+        whole prompt's text again. Resumed before them, they are generated again and their
+        text comes with the rest of the character. (A chunk of several tokens, under MTP, counts
+        as settled when it has text: a character begun by its last token is not seen.)"""
+        del self.generated[self.settled :]
 
     def observe(self, event: dict[str, Any]) -> dict[str, Any]:
         """Note an event of the stream (as the replica sent it) and return it as the client gets
@@ -98,6 +108,9 @@ class Progress:
         for choice in event.get("choices") or ():
             prompt = prompt or choice.get("prompt_token_ids")
             self.generated.extend(int(t) for t in choice.get("token_ids") or ())
+            delta = choice.get("delta") or {}  # chat: content, or reasoning where a parser splits it
+            if choice.get("text") or any(value for key, value in delta.items() if key != "role"):
+                self.settled = len(self.generated)
             if choice.get("finish_reason") is not None:
                 self.finished = True
         if prompt and not self.prompt_ids:
@@ -222,6 +235,7 @@ async def _move(
         path, body = h.path, answer_body(h.body, h.params, progress is not None)
     else:
         path = continuation.CONTINUATION_PATH
+        progress.back_off()
         body = resume_body(h.body, h.kind, progress, runner.settings.generation_defaults, runner.settings.max_model_len)
     logger.warning(
         "decode replica %s failed mid-stream after %d tokens; continuing on %s",
