@@ -20,6 +20,11 @@ its key too. So a lookup costs a call per request and per lease found, not a cal
 - ended before its lease was found (`abandon`; or before its blocks were allocated: `forsake`):
   its prefill may still file a lease under its key. The key stays looked up, until its deadline,
   and a lease that comes is released at once (not held by the producer until it expires).
+
+A request is looked up from its arrival (`queue`), not only once its blocks are allocated (`add`):
+one that queues for blocks longer than the producer's lease lasts would find it expired. A lease
+found while its request queues is held (renewed, lease_messages.py) until the pull is planned,
+which then starts at once, or released when the request ends in the queue.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class AheadPulls:
         submit_pull: Callable[[PullSpec], None],
         report_failed: Callable[[str, str, str], None],
         release: Callable[[KVParams], None],
+        hold: Callable[[KVParams], None],
     ):
         self.engine_id = engine_id
         self._params_key = params_key
@@ -66,8 +72,12 @@ class AheadPulls:
         self._submit_pull = submit_pull
         self._report_failed = report_failed  # (request id, error, cause): a failed load for vLLM
         self._release = release  # an unpulled lease back to its producer (no answer awaited)
+        self._hold = hold  # renew a lease until it is pulled or released
         self._lock = threading.Lock()
         self._awaiting: dict[str, tuple[str, PullSpec]] = {}  # request id -> (endpoint, pull)
+        self._queued: dict[str, tuple[str, PullSpec]] = {}  # arrived, no pull planned yet: looked up
+        self._held: dict[str, tuple[KVParams, int]] = {}  # found while queued: lease (renewed), token
+        self._queued_given_up: set[str] = set()  # aborted while queued: a pull planned later fails
         self._forsaken: dict[str, tuple[str, PullSpec]] = {}  # ended: its lease released if it comes
         self._given_up: set[str] = set()  # never found: load unreported until abandoned
         self._first_tokens: dict[str, int] = {}  # found, not yet told to the scheduler
@@ -75,19 +85,47 @@ class AheadPulls:
         self._changed: dict[str, threading.Event] = {}  # endpoint -> a key joined its lookup
         self._closed = threading.Event()
 
-    def add(self, spec: PullSpec) -> None:
+    def queue(self, spec: PullSpec) -> None:
+        """A request admitted ahead arrived (no blocks yet): look its lease up now."""
         assert spec.awaiting is not None
+        try:
+            endpoint = self._endpoint_for(spec.awaiting.voucher)
+        except KVTransferError:
+            return  # its pull, once planned, fails with the reason (`add`)
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._queued[spec.request_id] = (endpoint, spec)
+        self._watch(endpoint)
+
+    def add(self, spec: PullSpec) -> None:
+        """Its blocks are allocated: pull once the lease is in (at once if it was found already)."""
+        assert spec.awaiting is not None
+        rid = spec.request_id
         try:
             endpoint = self._endpoint_for(spec.awaiting.voucher)  # only what a producer vouched for
         except KVTransferError as exc:
             with self._lock:
-                self._given_up.add(spec.request_id)
+                self._given_up.add(rid)
+                self._queued.pop(rid, None)
             # off the engine's step: an abort report waits for room in a full inbox (failures.py)
             threading.Thread(target=self._abort, args=(spec, str(exc)), name="kv-abort", daemon=True).start()
             return
         with self._lock:
-            self._awaiting[spec.request_id] = (endpoint, spec)
-        self._watch(endpoint)
+            self._queued.pop(rid, None)
+            held = self._held.pop(rid, None)
+            if rid in self._queued_given_up:  # aborted while queued: its load fails once it ends
+                self._queued_given_up.discard(rid)
+                self._given_up.add(rid)
+                return
+            if held is not None:
+                self._first_tokens[rid] = held[1]
+            else:
+                self._awaiting[rid] = (endpoint, spec)
+        if held is not None:
+            self._pull(spec, held[0])
+        else:
+            self._watch(endpoint)
 
     def forsake(self, spec: PullSpec) -> None:
         """A request admitted ahead ended before its blocks were allocated: release its lease if
@@ -98,9 +136,16 @@ class AheadPulls:
         except KVTransferError:
             return  # nothing this consumer would dial
         with self._lock:
-            if self._closed.is_set():
-                return
-            self._forsaken[spec.request_id] = (endpoint, spec)
+            self._queued_given_up.discard(spec.request_id)
+            self._queued.pop(spec.request_id, None)
+            held = self._held.pop(spec.request_id, None)
+            if held is None:
+                if self._closed.is_set():
+                    return
+                self._forsaken[spec.request_id] = (endpoint, spec)
+        if held is not None:
+            self._release(held[0])  # found while it queued: its producer may free the blocks now
+            return
         self._watch(endpoint)
 
     def _watch(self, endpoint: str) -> None:
@@ -126,6 +171,9 @@ class AheadPulls:
         """The scheduler says an awaiting request ended: stop looking, and report its load (a
         request whose lease was found reports through its pull instead)."""
         with self._lock:
+            held = self._held.pop(request_id, None)  # its pull was never planned (vLLM declined the load)
+            self._queued.pop(request_id, None)
+            self._queued_given_up.discard(request_id)
             entry = self._awaiting.pop(request_id, None)
             awaited = entry is not None
             if awaited and not self._closed.is_set():
@@ -134,6 +182,8 @@ class AheadPulls:
             self._given_up.discard(request_id)
         if awaited:  # (one given up was logged then)
             logger.info("request %s admitted ahead of its prefill ended before its lease came", request_id)
+        if held is not None:
+            self._release(held[0])
         if awaited or given_up:
             self._report_failed(request_id, "the request ended before its prefill's lease came", "abandoned")
 
@@ -141,6 +191,8 @@ class AheadPulls:
         with self._lock:
             self._awaiting.clear()  # lookup threads end at their next turn
             self._forsaken.clear()
+            self._queued.clear()
+            self._held.clear()
             self._closed.set()
             for changed in self._changed.values():
                 changed.set()  # held lookups are cancelled
@@ -152,7 +204,11 @@ class AheadPulls:
         while True:
             with self._lock:
                 changed.clear()  # before reading the keys: a key added after this cancels the call
-                waiting = {spec.awaiting.key: spec for ep, spec in self._awaiting.values() if ep == endpoint}
+                waiting = {
+                    spec.awaiting.key: spec
+                    for ep, spec in (*self._awaiting.values(), *self._queued.values())
+                    if ep == endpoint
+                }
                 forsaken = {spec.awaiting.key: spec for ep, spec in self._forsaken.values() if ep == endpoint}
                 if not waiting and not forsaken:
                     self._lookups.discard(endpoint)
@@ -205,13 +261,23 @@ class AheadPulls:
         except (ValueError, KVTransferError) as exc:
             self._give_up(spec, str(exc))
             return
+        rid = spec.request_id
         with self._lock:
-            abandoned = self._awaiting.pop(spec.request_id, None) is None
-            if not abandoned:
-                self._first_tokens[spec.request_id] = token
-        if abandoned:  # ended meanwhile: its producer may free the blocks now, not at expiry
+            queued = self._queued.pop(rid, None) is not None
+            if queued:  # no blocks yet: held (renewed) until its pull is planned (`add`)
+                self._held[rid] = (lease, token)
+                self._hold(lease)
+                return
+            entry = self._awaiting.pop(rid, None)
+            if entry is not None:
+                self._first_tokens[rid] = token
+        if entry is None:  # ended meanwhile: its producer may free the blocks now, not at expiry
             self._release(lease)
             return
+        self._pull(entry[1], lease)  # the planned pull's spec (one found while queued is the arrival's)
+
+    def _pull(self, spec: PullSpec, lease: KVParams) -> None:
+        """Submit the pull of `lease` into the blocks `spec` planned (its first token is told)."""
         offset, count = spec.remote_offset, len(spec.local_block_ids)
         remote = lease.remote_block_ids[offset : offset + count]
         if lease.remote_num_tokens != spec.num_tokens:
@@ -220,9 +286,12 @@ class AheadPulls:
 
     def _give_up(self, spec: PullSpec, reason: str) -> None:
         with self._lock:
-            if self._awaiting.pop(spec.request_id, None) is None:
+            if self._awaiting.pop(spec.request_id, None) is not None:
+                self._given_up.add(spec.request_id)
+            elif self._queued.pop(spec.request_id, None) is not None:
+                self._queued_given_up.add(spec.request_id)  # a pull planned before the abort lands fails
+            else:
                 return  # found or abandoned meanwhile
-            self._given_up.add(spec.request_id)
         self._abort(spec, reason)
 
     def _abort(self, spec: PullSpec, reason: str) -> None:

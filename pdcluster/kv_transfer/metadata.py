@@ -5,6 +5,8 @@ Per step (scheduler -> worker, `PDConnectorMetadata`):
   new_leases  producer: finished prefills whose blocks are now held for a consumer to pull
   queued      consumer: leases of requests that arrived here; the worker renews each on its own
               clock (lease_messages.py) until its pull ends or it is released
+  awaited     consumer: requests admitted ahead of their prefill that arrived here: their lease
+              is looked up (and renewed, once found) while they queue for blocks
   pulls       consumer: requests whose blocks were just allocated and must be pulled
   releases    consumer: producer leases to drop without pulling (local cache hit, aborted request)
   abandoned   consumer: requests admitted ahead of their prefill that ended before their lease
@@ -62,6 +64,7 @@ class ReleaseSpec:
 class PDConnectorMetadata(KVConnectorMetadata):
     new_leases: list[LeaseSpec] = field(default_factory=list)
     queued: list[KVParams] = field(default_factory=list)
+    awaited: list[PullSpec] = field(default_factory=list)
     pulls: list[PullSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)

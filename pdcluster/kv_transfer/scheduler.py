@@ -16,7 +16,8 @@ Consumer (decode engine), per request carrying a producer's `KVParams`:
   request_finished             a request dropped before its pull still releases P's lease
 Consumer, per request admitted ahead of its prefill (`AwaitParams`, router.decode_ahead): its
 whole prompt is claimed as an asynchronous load at once, so its blocks are allocated while the
-prefill still runs; the worker finds the lease by key, reports the prefill's first token
+prefill still runs; the worker finds the lease by key (from its arrival: the lease is renewed
+while the request queues for blocks), reports the prefill's first token
 (`update_connector_output`, which makes it the last prompt token) and pulls. The request is
 never computed before that token is in: the worker reports its load only after it (metadata.py).
 `build_connector_meta` hands the step's leases, queued leases, pulls and releases to the worker half.
@@ -105,9 +106,14 @@ class ConnectorScheduler:
                 return  # update_state_after_alloc says why, once
         elif self.is_consumer and kvp.wants_lease_await(params):
             try:
-                self._awaiting[request.request_id] = (request, AwaitParams.from_dict(params))
+                spec = AwaitParams.from_dict(params)
             except ValueError as exc:
                 logger.warning("request %s: %s; computing its prompt locally", request.request_id, exc)
+                return
+            self._awaiting[request.request_id] = (request, spec)
+            # looked up (and its lease renewed) while it queues here: a queue longer than the
+            # producer's lease would otherwise let the lease expire before the pull asks for it
+            self._meta.awaited.append(PullSpec(request.request_id, None, (), (), awaiting=spec))
 
     def _truncate_for_prefill(self, request: Request, params: dict[str, Any]) -> None:
         backoff = self.prefill_backoff

@@ -160,6 +160,7 @@ class ConnectorWorker:
                 submit_pull=self._submit_pull,
                 report_failed=self._report_failed,
                 release=lambda lease: self._messages.release_later(lease, False),
+                hold=self._messages.hold,
             )
         if self.tp_size == 1:  # the only rank: the engine core may share our process
             colocated.register_waker(self.waker)
@@ -231,6 +232,8 @@ class ConnectorWorker:
         if self.is_consumer and self._ahead is not None and self._messages is not None:
             for lease in meta.queued:  # before this step's pulls and releases, which may end them
                 self._messages.hold(lease)
+            for spec in meta.awaited:  # likewise
+                self._ahead.queue(spec)
             for pull in meta.pulls:
                 if pull.awaiting is not None:
                     self._ahead.add(pull)

@@ -241,6 +241,8 @@ def test_a_request_admitted_ahead_that_ends_in_the_queue_is_forsaken_to_the_work
     meta = step(scheduler)
     assert meta.pulls == [] and meta.abandoned == []
     assert [(f.request_id, f.awaiting) for f in meta.forsaken] == [(req.request_id, spec)]
+    # its arrival was told too: its lease is looked up (and renewed) from then, not from its pull
+    assert [(a.request_id, a.awaiting, a.local_block_ids) for a in meta.awaited] == [(req.request_id, spec, ())]
 
 
 def test_producer_leases_what_it_computed(tmp_path):

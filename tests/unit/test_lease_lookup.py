@@ -19,6 +19,7 @@ from pdcluster.kv_transfer import ahead
 from pdcluster.kv_transfer import producer as producer_module
 from pdcluster.kv_transfer.ahead import AheadPulls
 from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
+from pdcluster.kv_transfer.lease_messages import LeaseMessages
 from pdcluster.kv_transfer.metadata import PullSpec
 from pdcluster.kv_transfer.params import AwaitParams, KVParams
 from pdcluster.kv_transfer.producer import KVProducer
@@ -81,7 +82,12 @@ def awaiting(request_id: str, key: str, endpoint: str = "127.0.0.1:1") -> PullSp
 
 
 def ahead_pulls(
-    connection, pulls: list, release=lambda lease: None, report_failed=lambda *failed: None, timeout_s: float = 5
+    connection,
+    pulls: list,
+    release=lambda lease: None,
+    report_failed=lambda *failed: None,
+    timeout_s: float = 5,
+    hold=lambda lease: None,
 ) -> AheadPulls:
     """The consumer's lookups, dialing the producer each request's voucher names."""
     return AheadPulls(
@@ -93,6 +99,7 @@ def ahead_pulls(
         submit_pull=pulls.append,
         report_failed=report_failed,
         release=release,
+        hold=hold,
     )
 
 
@@ -234,3 +241,67 @@ def test_under_tensor_parallel_a_rank_that_gave_up_reports_once_told_the_request
         for pulls_ahead in ranks.values():
             pulls_ahead.shutdown()
         inbox.close()
+
+
+def test_a_request_that_queues_past_its_lease_finds_it_kept_and_pulls_at_once(served):
+    """A request admitted ahead arrives and waits for blocks (decode's queue) longer than its
+    producer's leases last (1 s here). Its lease is looked up from its arrival and renewed while
+    it waits (a real LeaseMessages, over gRPC), so the producer still holds it past its first
+    expiry, and once the blocks are allocated the pull starts at once, into those blocks, with
+    the prefill's token told. (Looked up only once its blocks were allocated, as before, the
+    lease had expired by then and the request was aborted.)"""
+    producer, server, client = served
+    messages = LeaseMessages(
+        KVTransferSettings(secret=SECRET, lease_seconds=1),
+        "decode-0",
+        lambda p: p.remote_endpoints[0],
+        lambda *a: client,
+    )
+    pulls: list[PullSpec] = []
+    pulls_ahead = ahead_pulls(lambda endpoint: client, pulls, hold=messages.hold)
+    key = "1" * 32
+    arrived = awaiting("r-1", key, server.address)
+    try:
+        pulls_ahead.queue(PullSpec("r-1", None, (), (), awaiting=arrived.awaiting))  # no blocks yet
+        params = KVParams("prefill-0", "req-1", (server.address,), (3,), 100, time.time() + 1, remote_lease_seconds=1)
+        expiry = time.monotonic() + 1
+        producer.leases.add("req-1", [3], expiry, key=key, handout=(json.dumps(params.signed(PARAMS_KEY).to_dict()), 9))
+        wait_until(lambda: messages.kept_until(params) > 0, "the lease found while queued is renewed")
+        wait_until(lambda: time.monotonic() > expiry + 0.5, "the lease's first expiry is past")
+        producer.leases.collect_finished()  # what the producer's engine does every step
+        assert len(producer.leases) == 1  # renewed: still held
+        assert pulls == []  # no blocks yet, no pull
+        pulls_ahead.add(arrived)  # the blocks are allocated
+        [pull] = pulls
+        assert (pull.request_id, pull.remote.remote_request_id, pull.local_block_ids) == ("r-1", "req-1", (5,))
+        assert pulls_ahead.take_first_tokens() == {"r-1": 9}
+    finally:
+        pulls_ahead.shutdown()
+        messages.shutdown()
+
+
+@pytest.mark.parametrize("ends", ["forsaken", "abandoned"])
+def test_a_lease_found_while_its_request_queued_is_released_when_it_ends_unpulled(served, ends):
+    """The request ends in decode's queue (forsaken), or vLLM declines its load (abandoned with no
+    pull planned), after its lease was found: the lease is released, not renewed to no end."""
+    producer, server, client = served
+    held: list[KVParams] = []
+
+    def release(lease: KVParams) -> None:
+        client.release(lease.remote_request_id, transferred=False, engine_id="decode-0", timeout_s=5)
+
+    pulls: list[PullSpec] = []
+    pulls_ahead = ahead_pulls(lambda endpoint: client, pulls, release, hold=held.append)
+    arrived = awaiting("r-1", "1" * 32, server.address)
+    try:
+        pulls_ahead.queue(arrived)
+        producer.leases.add("req-1", [3], time.monotonic() + 60, key="1" * 32, handout=lease("req-1", 9))
+        wait_until(lambda: len(held) == 1, "the lease found while queued is held")
+        if ends == "forsaken":
+            pulls_ahead.forsake(arrived)
+        else:
+            pulls_ahead.abandon("r-1")
+        wait_until(lambda: len(producer.leases) == 0, "the lease is released")
+        assert pulls == [] and pulls_ahead.take_first_tokens() == {}
+    finally:
+        pulls_ahead.shutdown()
