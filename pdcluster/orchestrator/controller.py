@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pdcluster.config import ClusterConfig, RoleName
@@ -30,6 +28,7 @@ from pdcluster.errors import ConfigError
 from pdcluster.keys import engine_http_token
 from pdcluster.logs import setup_logging
 from pdcluster.orchestrator.autoscale import PlannerLoop
+from pdcluster.orchestrator.engines import engine_spec, generation_defaults, worker_class
 from pdcluster.orchestrator.placement import actor_options, demand, orchestrator_options, unplaceable
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import ReplicaState
@@ -81,73 +80,6 @@ class Replica:
             "stats": (self.info or {}).get("stats") or {},
             "rss_bytes": (self.info or {}).get("rss_bytes"),
         }
-
-
-def _worker_class(role: RoleName):
-    if role == "prefill":
-        from pdcluster.prefill_worker import PrefillWorker
-
-        return PrefillWorker
-    if role == "decode":
-        from pdcluster.decode_worker import DecodeWorker
-
-        return DecodeWorker
-    from pdcluster.engine.actor import EngineActor
-
-    return EngineActor
-
-
-def engine_spec(config: ClusterConfig, role: RoleName, index: int, replica_id: str) -> EngineSpec:
-    """The EngineSpec of replica `index` of `role` (the one mapping from config to engines).
-
-    The KV secret is not part of it: the actor receives it separately and writes it to a private
-    file on its own node (EngineActor), so specs can be logged and shown.
-    """
-    section = config.role(role)
-    kv = config.kv_transfer
-    # The engine actor adds the node-local secret file (and the address peers dial).
-    kv_extra = kv.connector_config() if role != "aggregated" else None
-    async_sched = section.async_scheduling
-    if async_sched is None and role == "decode":
-        async_sched = True
-    engine_args = dict(section.engine_args)
-    if config.model.tokenizer:
-        engine_args["tokenizer"] = config.model.tokenizer
-    return EngineSpec(
-        role=role,
-        engine_id=f"{config.name}-{replica_id}",
-        model=config.model.path,
-        served_model_name=config.model.served_name,
-        dtype=config.model.dtype,
-        max_model_len=config.model.max_model_len,
-        engine_args=engine_args,
-        speculative=config.speculative.vllm_config() if config.speculative else None,
-        async_scheduling=async_sched,
-        kv_extra=kv_extra,
-        http_host=kv.bind_host,
-        cpu_threads_bind=section.bind_for(index),
-        cpu_bind_scope=section.cpu_bind_scope,
-        kv_cache_gib=section.kv_cache_gib,
-        onednn_cache=section.onednn_cache,
-        worker_spin_ms=section.worker_spin_ms,
-        single_process=section.single_process,
-        kv_events=config.router.policy == "cache_aware",
-    )
-
-
-def generation_defaults(model_path: str) -> dict[str, Any]:
-    """The request defaults of the model's generation_config.json (vLLM applies them to every
-    engine's requests), when the model is a directory this node can read; else none."""
-    from pdcluster.orchestrator.router.continuation import request_defaults
-
-    path = Path(model_path) / "generation_config.json"
-    try:
-        return request_defaults(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        logger.warning("cannot read %s (%s): the router decides without the model's defaults", path, exc)
-        return {}
 
 
 class Controller:
@@ -245,9 +177,7 @@ class Controller:
         }
         try:
             replica.stage = "scheduling actor"
-            replica.actor = (
-                ray.remote(_worker_class(replica.role)).options(**options).remote(replica.spec, self._secret)
-            )
+            replica.actor = ray.remote(worker_class(replica.role)).options(**options).remote(replica.spec, self._secret)
             replica.stage = "starting engine"
             info = await replica.actor.start.remote()
         except Exception as exc:  # noqa: BLE001 - any failure to start marks the replica dead

@@ -12,7 +12,7 @@ import yaml
 
 from pdcluster.config import load_config, read_credentials, validate_config
 from pdcluster.errors import ConfigError
-from pdcluster.orchestrator.controller import engine_spec
+from pdcluster.orchestrator.engines import engine_spec
 from pdcluster.vllm_plugin import IDLE_RECHECK_MS
 
 ROOT = Path(__file__).resolve().parents[2]
