@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdcluster.errors import ConfigError, PDClusterError
+from pdcluster.errors import ConfigError, PDClusterError, one_line, root_cause
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -124,17 +124,6 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """What a Ray task raised at the bottom of a chain of remote calls (the CLI's call to the
-    controller, the controller's to the router): Ray wraps each hop in a RayTaskError whose
-    first line names the task, not the problem."""
-    import ray
-
-    while isinstance(exc, ray.exceptions.RayTaskError) and getattr(exc, "cause", None) is not None:
-        exc = exc.cause
-    return exc
-
-
 def _get(ref) -> Any:
     """ray.get of a controller call; a pdcluster error raised by it, or by a call it made in turn,
     reaches the user as its own one line."""
@@ -143,7 +132,7 @@ def _get(ref) -> Any:
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
-        cause = _root_cause(exc)
+        cause = root_cause(exc)
         if isinstance(cause, PDClusterError):
             raise cause from None
         raise
@@ -422,9 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("pdcluster: interrupted\n")
         return 130
     except Exception as exc:  # noqa: BLE001 - a CLI user gets one line, never a traceback
-        cause = _root_cause(exc) if "ray" in sys.modules else exc
-        first = (str(cause).strip().splitlines() or [""])[0][:300]
-        sys.stderr.write(f"pdcluster: {args.command} failed: {type(cause).__name__}: {first}\n")
+        sys.stderr.write(f"pdcluster: {args.command} failed: {one_line(exc, 300)}\n")
         logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
         return EXIT_FAILURE
     finally:

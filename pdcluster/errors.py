@@ -10,6 +10,7 @@ path (the cluster YAML, config.py; the connector's settings, kv_transfer/setting
 from __future__ import annotations
 
 import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -124,3 +125,20 @@ def _format_error(err: dict[str, Any]) -> str:
 def format_errors(exc: ValidationError) -> list[str]:
     """A pydantic error as lines naming the YAML path of each offending key."""
     return [_format_error(e) for e in exc.errors(include_url=False)]
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """What a Ray task raised at the bottom of a chain of remote calls (the CLI's call to the
+    controller, the controller's to an actor): Ray wraps each hop in a RayTaskError whose first
+    line names the task (and colours it), not the problem."""
+    ray = sys.modules.get("ray")
+    while ray is not None and isinstance(exc, ray.exceptions.RayTaskError) and getattr(exc, "cause", None) is not None:
+        exc = exc.cause
+    return exc
+
+
+def one_line(exc: BaseException, limit: int = 500) -> str:
+    """`exc`'s root cause as one line: its class and its whole message, lines joined (a
+    validation error's first line says only how many errors follow)."""
+    cause = root_cause(exc)
+    return f"{type(cause).__name__}: {' '.join(str(cause).split())}"[:limit]

@@ -115,7 +115,7 @@ class PlannerLoop:
             return
         for role, action in decision.actions:
             size = self.actual()[role]
-            await self.controller.scale(role, size + 1 if action == "add" else size - 1)
+            await self.controller.resize(role, size + 1 if action == "add" else size - 1)
             if action == "remove" and len(decision.actions) > 1:
                 await self._drained(role)  # a move: the budget holds while the drained one stops
 

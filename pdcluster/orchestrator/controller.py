@@ -22,9 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from pdcluster.config import ClusterConfig, RoleName
 from pdcluster.engine.spec import EngineSpec
-from pdcluster.errors import ConfigError
+from pdcluster.errors import ConfigError, format_errors, one_line
 from pdcluster.keys import engine_http_token
 from pdcluster.logs import setup_logging
 from pdcluster.orchestrator.autoscale import PlannerLoop
@@ -181,9 +183,12 @@ class Controller:
             replica.stage = "starting engine"
             info = await replica.actor.start.remote()
         except Exception as exc:  # noqa: BLE001 - any failure to start marks the replica dead
-            replica.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            replica.error = one_line(exc)  # the engine's reason, not Ray's header naming the task
             replica.stage = "failed"
             replica.set_state(ReplicaState.DEAD)
+            if replica.actor is not None:  # its process outlives a failed start: held resources
+                ray.kill(replica.actor, no_restart=True)
+                replica.actor = None
             logger.error("replica %s failed to start: %s", replica.replica_id, replica.error)
             self._reconcile()  # its slot is tried again (now, or after its pause)
             await self._publish()
@@ -235,6 +240,12 @@ class Controller:
                     replica.set_state(ReplicaState.DEAD)
                     logger.error("replica %s is dead: %s", replica.replica_id, problem)
                     self._replace(replica)
+                elif problem and replica.state == ReplicaState.DRAINING and replica.actor is not None:
+                    # nothing left to drain: its drain (_drain_and_stop) ends now, not at its deadline
+                    replica.error = problem
+                    logger.warning("draining replica %s is dead: %s", replica.replica_id, problem)
+                    ray.kill(replica.actor, no_restart=True)
+                    replica.actor = None
             self._reconcile()
             await self._publish()
             self._changed.clear()
@@ -321,11 +332,22 @@ class Controller:
     # -- scaling ------------------------------------------------------------------------
 
     async def scale(self, role: RoleName, replicas: int) -> dict[str, Any]:
+        """An operator's `scale`: refused (ConfigError) where the cluster YAML would be."""
         if role not in self.config.serving_roles():
             raise ConfigError(f"role {role!r} is not served in {self.config.mode} mode")
-        if replicas < 0:
-            raise ConfigError("replicas must be ≥ 0")
+        candidate = self.config.model_dump()
+        candidate["roles"][role]["replicas"] = replicas
+        try:
+            ClusterConfig.model_validate(candidate)
+        except ValidationError as exc:
+            raise ConfigError(f"scale {role} {replicas}: " + "; ".join(format_errors(exc))) from None
+        return await self.resize(role, replicas)
+
+    async def resize(self, role: RoleName, replicas: int) -> dict[str, Any]:
+        """Set `role`'s replica count (the planner's steps stay within its bounds)."""
         async with self._lock:
+            # the replica loads first: no await between choosing the replicas to drain and draining them
+            inflight = await self.router.inflight.remote() if self.router is not None else {}
             active = [r for r in self.pools[role] if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
             added, draining = [], []
             if replicas > len(active):
@@ -335,9 +357,9 @@ class Controller:
                 added = [r.replica_id for r in self.pools[role] if r.replica_id not in before]
             if replicas < len(active):
                 # Drop starting replicas first, then the least loaded ready ones.
-                inflight = await self.router.inflight.remote()
                 active.sort(key=lambda r: (r.state != ReplicaState.STARTING, inflight.get(r.replica_id, 0), -r.index))
                 for replica in active[: len(active) - replicas]:
+                    self._budget.forget((role, replica.slot))  # scaled away: not a restart when refilled
                     draining.append(replica.replica_id)
                     replica.set_state(ReplicaState.DRAINING)
                     replica.stage = "draining"
@@ -375,8 +397,10 @@ class Controller:
             replica.actor = None
         replica.stage = "stopped"
         replica.set_state(ReplicaState.DEAD)
-        self.pools[replica.role].remove(replica)
-        self._retired.append(replica)
+        pool = self.pools[replica.role]
+        if replica in pool:  # (one that died draining may have left it)
+            pool.remove(replica)
+            self._retired.append(replica)
         await self._publish()
 
     # -- status -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import selectors
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,9 +67,25 @@ def test_down_from_another_shell_ends_a_foreground_up_with_exit_0(tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
+def engine_actor_processes() -> list[int]:
+    """Pids of this machine's Ray actor processes hosting an aggregated replica (their title; a
+    process Ray is still handing an actor to is titled ray::IDLE)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue  # gone, or not a process
+        if title.startswith(b"ray::EngineActor"):
+            pids.append(int(proc.name))
+    return pids
+
+
 def test_a_replica_that_fails_to_start_is_retried_in_its_slot(tmp_path):
     """An engine that cannot start (vLLM refuses its arguments) is started again in the same
-    slot instead of being given up after one try; `up` then reports the cluster not ready in one
+    slot instead of being given up after one try, each failed actor's process is stopped (they
+    once stayed, holding their CPUs, or a GPU, for good), and `up` shows the engine's reason (it
+    once showed Ray's header naming the task); `up` then reports the cluster not ready in one
     line, and nothing is left behind. (One aggregated replica: the slot logic is the same for
     every role, and no healthy engine has to start beside it.)"""
     name = "e2e-retry"
@@ -82,11 +99,29 @@ def test_a_replica_that_fails_to_start_is_retried_in_its_slot(tmp_path):
             "decode": {"replicas": 0},
         },
     )
-    result = cli(tmp_path, "up", str(config), timeout=600, check=False)
-    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
-    attempts = set(re.findall(r"(aggregated-\d+)\s+(?:starting|dead)", result.stdout))
-    assert len(attempts) >= 2, result.stdout  # aggregated-0 failed, and its slot was tried again
-    assert result.stderr.strip().splitlines()[-1].startswith("pdcluster: "), result.stderr
+    require_clusters_lane()
+    env = dict(os.environ, PDCLUSTER_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [*PDCLUSTER, "up", str(config)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        seen = read_until(proc, "aggregated-2", 600)  # aggregated-0 and -1 failed: the slot's third try
+        alive = engine_actor_processes()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            cli(tmp_path, "down", "--name", name, timeout=300, check=False)
+    stdout, stderr = seen + out.decode(errors="replace"), err.decode(errors="replace")
+    assert proc.returncode != 0 and "Traceback" not in stderr + stdout
+    # at most aggregated-1's, being killed (the third try's process is still ray::IDLE or new):
+    # the two failed actors' processes once both stayed
+    assert len(alive) <= 1, alive
+    attempts = set(re.findall(r"(aggregated-\d+)\s+(?:starting|dead)", stdout))
+    assert len(attempts) >= 2, stdout  # aggregated-0 failed, and its slot was tried again
+    dead = re.findall(r"dead: (.*)", stdout)
+    assert dead and all("max_num_batched_tokens" in line and "ray::" not in line for line in dead), dead
+    assert stderr.strip().splitlines()[-1].startswith("pdcluster: "), stderr
     assert not list(tmp_path.glob("*.json"))
 
 

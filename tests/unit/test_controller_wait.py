@@ -1,13 +1,18 @@
-"""The controller's readiness wait (Controller.wait_ready), on the controller object itself (no
-Ray: these calls touch only its replica table): `up` returns once nothing is starting, and
-`scale --wait` asks again only after the table changed, instead of asking back to back while a
-replica drains (nothing starting: the plain wait returns at once)."""
+"""The controller's readiness wait and scaling, on the controller object itself (no Ray: these
+calls touch only its replica table, with a stand-in router where one is called): `up` returns
+once nothing is starting, `scale --wait` asks again only after the table changed, instead of
+asking back to back while a replica drains (nothing starting: the plain wait returns at once);
+`scale` refuses what the YAML refuses and drains only replicas still alive after its awaits."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+
+import pytest
 
 from pdcluster.config import validate_config
+from pdcluster.errors import ConfigError
 from pdcluster.orchestrator.controller import Controller
 
 CONFIG = validate_config({"model": {"path": "models/pdcluster-tiny-code"}}, "test")
@@ -36,3 +41,72 @@ def test_a_wait_for_a_change_gives_up_at_its_timeout():
         return await controller.wait_ready(0.2, change=True)
 
     assert asyncio.run(scenario()) is False
+
+
+def test_scale_refuses_what_the_cluster_yaml_refuses():
+    """`scale` checks the new size as the YAML's own rules do: no decode replica in disaggregated
+    mode, more than 64, sizes outside the planner's bounds; the config is left as it was."""
+    planned = validate_config(
+        {
+            "model": {"path": "models/pdcluster-tiny-code"},
+            "autoscale": {"enabled": True, "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 3}},
+        },
+        "test",
+    )
+    for config, role, replicas, says in [
+        (CONFIG, "decode", 0, "roles.decode.replicas: disaggregated mode needs ≥ 1 decode replica"),
+        (CONFIG, "prefill", 65, "roles.prefill.replicas: must be ≤ 64"),
+        (planned, "decode", 4, "roles.decode.replicas: must be within autoscale.decode min..max (1..3)"),
+    ]:
+        controller = Controller(config.model_dump_json(), "secret")
+        with pytest.raises(ConfigError, match=re.escape(f"scale {role} {replicas}: {says}")):
+            asyncio.run(controller.scale(role, replicas))
+        assert controller.config.role(role).replicas == config.role(role).replicas
+
+
+class _Remote:
+    """A Ray actor method as the controller calls it (`.remote(...)`, awaited)."""
+
+    def __init__(self, call):
+        self.remote = call
+
+
+def test_a_replica_that_dies_while_a_scale_down_asks_the_router_is_not_drained_again():
+    """Scale decode 3 -> 1 while one replica dies during the scale's call to the router (the
+    monitor retires it, as _replace does): the replicas drained are chosen among the live ones
+    after that call, so the dead one is not drained a second time (its stop raised, since it
+    had left the pool) and one replica is left serving."""
+    from pdcluster.orchestrator.controller import Replica
+    from pdcluster.orchestrator.engines import engine_spec
+    from pdcluster.orchestrator.replicas import ReplicaState
+
+    async def scenario():
+        controller = Controller(CONFIG.model_dump_json(), "secret")
+        pool = controller.pools["decode"]
+        for i in range(3):
+            replica = Replica(f"decode-{i}", "decode", i, i, engine_spec(CONFIG, "decode", i, f"decode-{i}"))
+            replica.url, replica.state = f"http://127.0.0.1:{9000 + i}", ReplicaState.READY
+            pool.append(replica)
+        controller.config.roles.decode.replicas = 3
+
+        async def inflight():
+            dead = pool[0]  # dies meanwhile: retired by the monitor
+            dead.set_state(ReplicaState.DEAD)
+            pool.remove(dead)
+            controller._retired.append(dead)
+            return {}
+
+        async def update_replicas(rows):
+            return None
+
+        controller.router = type("Router", (), {})()
+        controller.router.inflight, controller.router.update_replicas = _Remote(inflight), _Remote(update_replicas)
+        result = await controller.scale("decode", 1)
+        stops = [r.task for r in controller._retired + pool if r.task is not None]
+        outcomes = await asyncio.gather(*stops, return_exceptions=True)
+        return result, outcomes, [r.replica_id for r in pool if r.state == ReplicaState.READY]
+
+    result, outcomes, serving = asyncio.run(scenario())
+    assert "decode-0" not in result["draining"] and len(result["draining"]) == 1
+    assert not [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(serving) == 1
