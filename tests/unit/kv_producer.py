@@ -81,6 +81,10 @@ def producer_main(
             conn.send(sorted(lease.request_id for lease in producer.leases.collect_finished()))
         elif command == "pushes":  # (direct pushes running, monotonic end of the last one)
             conn.send((shm.pushing, shm.last_push_end))
+        elif command == "forget":  # every consumer's session, as a restart (or eviction) does
+            with server.auth._lock:
+                server.auth._sessions.clear()
+            conn.send("forgot")
     server.stop(0)
     conn.send(os.getpid())
 

@@ -226,6 +226,29 @@ def test_a_registration_beside_a_new_session_does_not_deadlock(producer_process)
         client.close()
 
 
+@pytest.mark.parametrize("backend", ["shm", "collective"])
+def test_a_pull_after_the_producer_forgot_our_session_goes_as_before(producer_process, backend):
+    """The producer forgets every session (as when it restarts, or evicts ours): the next pull is
+    refused as stale and goes again on a new session. It once went again with the old session's
+    state: shm sent its old registration (refused: direct reads given up for good), collective
+    its old pair group (refused: a failed pull)."""
+    address, control = producer_process
+    consumer = make_cache(fill="zeros")
+    client = create_transport(backend, settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        for request_id, dst_ids in (("req-a", [40, 41, 42, 43, 44]), ("req-c", [7, 8])):
+            scatterer.begin(dst_ids)
+            client.pull(request_id, REQUESTS[request_id], CacheSink(scatterer), engine_id="decode-0", timeout_s=20)
+            assert_copied(consumer, request_id, dst_ids)
+            control.send("forget")
+            assert control.recv() == "forgot"
+        assert backend != "shm" or client.direct  # still direct: the registration went anew
+    finally:
+        client.close()
+
+
 def test_no_one_sided_read_from_a_producer_that_exited():
     """The producer's process exited (its pidfd tells): a pull of a lease still far from its
     expiry is not read out of whatever now has its pid; it fails through the producer."""

@@ -359,6 +359,8 @@ class CollectiveClient(GrpcClient):
         request_id = request.request_id
         assert self._remote_layout is not None
         row_bytes = [spec.block_bytes for spec in self._remote_layout.layers]
+        # A new session (the producer forgot ours) forgets the pair first: its group is gone there
+        self.control.session()
         with self._pair_lock:
             group = self._ensure_group(engine_id)
             self._tag = self._tag % (1 << 30) + 1

@@ -262,6 +262,9 @@ class ShmClient(GrpcClient):
         timeout_s: float,
         rows: list[tuple[int, int]] | None,
     ) -> int:
+        # A new session (the producer forgot ours: call() retries on one) forgets our
+        # registration before it is sent, not after (the producer would refuse the old one)
+        self.control.session()
         outbox: queue.SimpleQueue[pb.ShmPullRequest | None] = queue.SimpleQueue()
         if rows is None:
             outbox.put(pb.ShmPullRequest(pull=request))
