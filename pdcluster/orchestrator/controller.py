@@ -247,7 +247,10 @@ class Controller:
                     ray.kill(replica.actor, no_restart=True)
                     replica.actor = None
             self._reconcile()
-            await self._publish()
+            try:
+                await self._publish()
+            except ray.exceptions.RayError as exc:  # the router is gone: keep watching the replicas
+                logger.error("cannot publish the replicas to the router: %s", exc)
             self._changed.clear()
             await asyncio.sleep(MONITOR_INTERVAL_S)  # polling interval of the health monitor
 

@@ -174,15 +174,20 @@ def _start_head(port: int, num_cpus: int | None, log) -> tuple[subprocess.Popen,
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + HEAD_START_TIMEOUT_S
     seen = b""
-    while b"Ray runtime started" not in seen:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process_group(proc.pid)
-            return proc, seen.decode(errors="replace")
-        if sel.select(timeout=1.0):
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            seen += chunk
-            log.write(chunk)
-            log.flush()  # in order with what the head writes to the log itself (its stderr)
+    try:
+        while b"Ray runtime started" not in seen:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_process_group(proc.pid)
+                return proc, seen.decode(errors="replace")
+            if sel.select(timeout=1.0):
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                seen += chunk
+                log.write(chunk)
+                log.flush()  # in order with what the head writes to the log itself (its stderr)
+    except BaseException:
+        # Ctrl-C while it starts: its own session got no signal, and no record names it yet
+        stop_process_group(proc.pid)
+        raise
     return proc, None
 
 

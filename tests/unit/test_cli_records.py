@@ -77,3 +77,31 @@ def test_down_of_a_stale_cluster_is_one_line_and_exit_0(home):
     assert "Traceback" not in result.stderr + result.stdout
     assert result.stdout.strip() == f"pdcluster started: its Ray ({address}) is gone; removed its record"
     assert not (home / "started.json").exists() and (home / "joined.json").exists()
+
+
+def test_ctrl_c_while_the_local_ray_head_starts_stops_it(tmp_path, monkeypatch):
+    """`up` interrupted (Ctrl-C) while its Ray head starts: the head runs in a session of its own,
+    so the signal does not reach it, and no record names it yet; it once ran on for good. Here a
+    stand-in head that never says it started (it writes its pid and sleeps)."""
+    import _thread
+    import threading
+    import time
+
+    from pdcluster.orchestrator import session
+    from pdcluster.pidfds import group_running
+
+    pid_file = tmp_path / "head.pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    monkeypatch.setattr(session, "ray_command", lambda: [sys.executable, "-c", code])
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # poll for the stand-in head's pid
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        session.start_local_head(None, tmp_path / "head.log")
+    pid = int(pid_file.read_text())
+    assert not group_running(pid)

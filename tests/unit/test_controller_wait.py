@@ -110,3 +110,32 @@ def test_a_replica_that_dies_while_a_scale_down_asks_the_router_is_not_drained_a
     assert "decode-0" not in result["draining"] and len(result["draining"]) == 1
     assert not [o for o in outcomes if isinstance(o, BaseException)]
     assert len(serving) == 1
+
+
+def test_the_monitor_goes_on_when_the_router_cannot_be_told():
+    """The router actor is gone (a RayActorError on every call): the monitor logs it and keeps
+    checking the replicas each second; its task once ended there, and with it every health
+    check and restart."""
+    import ray
+
+    calls = []
+
+    async def update_replicas(rows):
+        calls.append(rows)
+        raise ray.exceptions.RayActorError()
+
+    async def scenario():
+        controller = Controller(CONFIG.model_dump_json(), "secret")
+        for role in ("prefill", "decode"):
+            controller.config.role(role).replicas = 0  # nothing to start: no actors here
+        controller.router = type("Router", (), {"update_replicas": _Remote(update_replicas)})()
+        monitor = asyncio.create_task(controller._monitor_loop())
+        while len(calls) < 2 and not monitor.done():
+            await asyncio.sleep(0.05)  # the loop's own pace (MONITOR_INTERVAL_S)
+        alive = not monitor.done()
+        controller._stopping = True
+        monitor.cancel()
+        return alive
+
+    assert asyncio.run(scenario()) is True
+    assert len(calls) >= 2
