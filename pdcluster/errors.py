@@ -44,6 +44,10 @@ class KVTransferError(PDClusterError):
     error_type = "kv_transfer_error"
 
 
+class PortTakenError(KVTransferError):
+    """The KV server could not bind its port (another process holds it): another port may do."""
+
+
 class HandshakeError(KVTransferError):
     """Producer and consumer are incompatible (protocol, model, dtype, block size, layers)."""
 

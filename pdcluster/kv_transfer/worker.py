@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pdcluster.errors import KVTransferError, LeaseExpiredError, UntrustedParamsError
+from pdcluster.errors import KVTransferError, LeaseExpiredError, PortTakenError, UntrustedParamsError
 from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer import colocated
 from pdcluster.kv_transfer.ahead import AheadPulls
@@ -188,7 +188,7 @@ class ConnectorWorker:
                     port,
                     str(self.cache.device) if self.cache is not None else "cpu",
                 )
-            except KVTransferError as exc:
+            except PortTakenError as exc:  # (a backend that cannot start fails alike on any port)
                 last_error = exc
         raise KVTransferError(
             f"no free KV port in {self.settings.bind_host}:{lo}-{hi} for tp rank {self.tp_rank}: {last_error}"

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from pdcluster.errors import AuthenticationError, HandshakeError, LeaseExpiredError, LeaseNotFoundError
+from pdcluster.errors import AuthenticationError, HandshakeError, KVTransferError, LeaseExpiredError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION, layout_digest
 from pdcluster.kv_transfer.settings import KVTransferSettings
@@ -325,3 +325,43 @@ def test_the_server_says_when_calls_take_all_its_threads(caplog, monkeypatch):
             time.sleep(0.01)  # poll interval
     finally:
         server.stop(0)
+
+
+class _CannotStart:
+    """A registered backend whose server side cannot start (as a Mooncake engine that fails)."""
+
+    def __init__(self, settings, device="cpu"):
+        pass
+
+    def server_extension(self, producer, host):
+        raise KVTransferError("this backend cannot start here")
+
+
+def test_a_backend_that_cannot_start_fails_the_server_at_once_and_leaks_nothing():
+    """A backend's server side fails to start: the backends started before it are closed (shm's
+    peer thread and socket once stayed), and the worker's port search stops there with that
+    reason (it once tried every port of the range, building and leaking them each time, and then
+    said "no free KV port")."""
+    from types import SimpleNamespace
+
+    from pdcluster.kv_transfer import transports
+    from pdcluster.kv_transfer.worker import ConnectorWorker
+
+    if "cannot-start" not in transports.available_transports():
+        transports.register_transport("cannot-start", f"{__name__}:_CannotStart")
+    producer = KVProducer(make_cache(), "prefill-0", max_chunk_bytes=4096, lease_wait_s=0.5)
+    settings = KVTransferSettings(secret="bind-test-secret", port_range=(47100, 47163), bind_host="127.0.0.1")
+
+    def peer_threads() -> int:
+        return sum(t.name == "kv-shm-peers" and t.is_alive() for t in threading.enumerate())
+
+    before = peer_threads()
+    worker = SimpleNamespace(
+        producer=producer, settings=settings, tp_rank=0, tp_size=1, offers=["grpc", "shm", "cannot-start"], cache=None
+    )
+    with pytest.raises(KVTransferError, match="^this backend cannot start here$"):
+        ConnectorWorker._bind_server(worker)
+    deadline = time.monotonic() + 10
+    while peer_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)  # a closed registry's thread ends at its next turn
+    assert peer_threads() == before

@@ -55,10 +55,15 @@ def serve_backends(
     from pdcluster.kv_transfer.transports.grpc_transport import GrpcServer
 
     extensions = []
-    for name in names:
-        extension = create_transport(name, settings, device).server_extension(producer, host)
-        if extension is not None:
-            extensions.append(extension)
+    try:
+        for name in names:
+            extension = create_transport(name, settings, device).server_extension(producer, host)
+            if extension is not None:
+                extensions.append(extension)
+    except BaseException:  # a backend that cannot start: those built so far hold threads, sockets
+        for extension in extensions:
+            extension.close()
+        raise
     return GrpcServer(producer, host, port, settings, extensions, offers=names)  # closes them if it fails
 
 

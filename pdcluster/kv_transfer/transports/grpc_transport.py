@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import grpc
 import grpc.experimental
 
-from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError
+from pdcluster.errors import HandshakeError, KVTransferError, LeaseNotFoundError, PortTakenError
 from pdcluster.kv_transfer.auth import ServerAuth, ServerSession
 from pdcluster.kv_transfer.kv_cache import Chunk
 from pdcluster.kv_transfer.producer import KVProducer
@@ -213,10 +213,10 @@ class GrpcServer(TransportServer):
             bound = rpc.bind(self._server, f"{host}:{port}", settings)
         except RuntimeError as exc:
             self.close_extensions()
-            raise KVTransferError(f"cannot bind KV server to {host}:{port}: {exc}") from exc
+            raise PortTakenError(f"cannot bind KV server to {host}:{port}: {exc}") from exc
         if bound == 0:
             self.close_extensions()
-            raise KVTransferError(f"cannot bind KV server to {host}:{port}")
+            raise PortTakenError(f"cannot bind KV server to {host}:{port}")
         self._address = f"{host}:{bound}"
         self._server.start()
         logger.info("KV gRPC server for engine %s on %s", producer.engine_id, self._address)
