@@ -248,18 +248,28 @@ def _teardown(session, controller_started: bool = True) -> None:
 
     from pdcluster.orchestrator.session import stop_process_group
 
+    log = logging.getLogger(__name__)
+    left: BaseException | None = None  # a controller that may still run (on a cluster we joined)
     try:
         if controller_started and session.ray_address and (ray.is_initialized() or session.head_pid is None):
             controller = _connect(session)
-            ray.get(controller.shutdown.remote(), timeout=180)
-            ray.kill(controller, no_restart=True)
+            try:
+                ray.get(controller.shutdown.remote(), timeout=180)
+            except ray.exceptions.RayError as exc:  # failed or hung: killed all the same
+                log.warning("controller shutdown: %s; killing it (its router and replicas go with it)", exc)
+            try:
+                ray.kill(controller, no_restart=True)
+            except (ray.exceptions.RayError, ConnectionError) as exc:
+                left = exc
     except (ConfigError, ray.exceptions.RayError, ConnectionError) as exc:
-        logging.getLogger(__name__).warning("controller shutdown: %s", exc)
+        log.warning("controller shutdown: %s", exc)
     finally:
         if ray.is_initialized():
             ray.shutdown()
         if session.head_pid is not None:
-            stop_process_group(session.head_pid)
+            stop_process_group(session.head_pid)  # everything on our own head goes with it
+        elif left is not None:  # the record stays, for `down` to try again
+            raise PDClusterError(f"cluster {session.name!r}: its controller could not be stopped: {left}")
         session.remove()
 
 

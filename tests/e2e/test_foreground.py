@@ -9,6 +9,7 @@ import re
 import selectors
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -159,3 +160,57 @@ def test_a_ray_head_port_taken_before_ray_binds_it_is_replaced_by_another(tmp_pa
         assert str(taken) in text and "Ray runtime started" in text  # the failed try, then the head
     finally:
         stop_process_group(pid)
+
+
+STAND_IN_CONTROLLER = """
+import sys, ray
+ray.init(address=sys.argv[1], namespace="pdcluster", logging_level="ERROR")
+
+class Controller:  # named and detached as `up` makes the controller; its shutdown fails
+    def shutdown(self):
+        raise RuntimeError("this controller cannot shut down")
+
+    def ping(self):
+        return "ok"
+
+ray.remote(Controller).options(name=sys.argv[2], lifetime="detached").remote()
+ray.get(ray.get_actor(sys.argv[2]).ping.remote())
+"""
+
+ACTOR_ALIVE = """
+import sys, ray
+ray.init(address=sys.argv[1], namespace="pdcluster", logging_level="ERROR")
+try:
+    ray.get(ray.get_actor(sys.argv[2]).ping.remote(), timeout=30)
+    print("alive")
+except (ValueError, ray.exceptions.RayActorError):
+    print("gone")
+"""
+
+
+def test_down_kills_a_controller_whose_own_shutdown_fails(tmp_path, monkeypatch):
+    """On a Ray cluster `up` joined (the head is not ours to stop), `down` asks the controller to
+    shut down and that fails: the controller is killed all the same (its router and replicas, its
+    own actors, go with it). It was left running while `down` said "stopped" and removed the
+    record, so no later `down` could find it and the next `up` found its name taken."""
+    from pdcluster.orchestrator.controller import controller_name
+    from pdcluster.orchestrator.session import Session
+
+    require_clusters_lane()
+    name = "e2e-down-stuck"
+    address, head = start_local_head(None, tmp_path / "head.log")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        actor = controller_name(name)
+        made = subprocess.run([sys.executable, "-c", STAND_IN_CONTROLLER, address, actor], env=env, timeout=120)
+        assert made.returncode == 0
+        monkeypatch.setenv("PDCLUSTER_HOME", str(tmp_path))
+        Session(name, address, "pdcluster").save()  # joined: no head of its own
+        down = cli(tmp_path, "down", "--name", name, timeout=300, check=False)
+        assert down.returncode == 0 and "Traceback" not in down.stderr, down.stderr
+        alive = subprocess.run(
+            [sys.executable, "-c", ACTOR_ALIVE, address, actor], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert alive.stdout.strip() == "gone", alive.stdout + alive.stderr[-2000:]
+    finally:
+        stop_process_group(head)
