@@ -88,6 +88,14 @@ class Placement(_Model):
         "(`ray start --resources '{\"decode_slots\": 2}'`).",
     )
 
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _label_numbers(cls, value: Any) -> Any:
+        """A YAML number as a label value (`zone: 1`) is the label's text, as Ray's own labels are."""
+        if isinstance(value, dict):
+            return {k: str(v) if type(v) is int else v for k, v in value.items()}
+        return value
+
     @field_validator("labels")
     @classmethod
     def _label_format(cls, value: dict[str, str]) -> dict[str, str]:
@@ -176,13 +184,18 @@ class RoleSection(_Model):
                 )
         return value
 
-    @field_validator("cpu_bind")
+    @field_validator("cpu_bind", mode="before")
     @classmethod
-    def _cpu_bind_format(cls, value: list[str]) -> list[str]:
+    def _cpu_bind_format(cls, value: Any) -> Any:
+        """Each entry a core list like 0, '0-3' or '0,2' (a YAML number is one core)."""
+        if not isinstance(value, list):
+            return value  # the field's own type error
         for entry in value:
-            parts = str(entry).replace("-", ",").split(",")
-            if not all(p.strip().isdigit() for p in parts):
-                raise ValueError(f"'{entry}' is not a core list like '0', '0-3' or '0,2'")
+            if type(entry) is int and entry >= 0:
+                continue
+            ranges = [part.strip().split("-") for part in str(entry).split(",")]
+            if not all(1 <= len(r) <= 2 and all(n.isdigit() for n in r) and int(r[0]) <= int(r[-1]) for r in ranges):
+                raise ValueError(f"'{entry}' is not a core list like '0', '0-3' or '0,2' (ranges low-high)")
         return [str(v) for v in value]
 
     @model_validator(mode="after")
@@ -434,11 +447,9 @@ def load_config(path: str | Path) -> ClusterConfig:
     config = validate_config(data, str(path))
     # Relative model/secret paths are relative to the YAML file.
     base = path.resolve().parent
-    model_path = Path(config.model.path)
-    if not model_path.is_absolute() and (base / model_path).exists():
-        config.model.path = str((base / model_path).resolve())
-    elif not model_path.is_absolute() and model_path.exists():
-        config.model.path = str(model_path.resolve())
+    config.model.path = _local_path(config.model.path, base)
+    if config.model.tokenizer:
+        config.model.tokenizer = _local_path(config.model.tokenizer, base)
     config._base_dir = base
     # Files named in the YAML are relative to it, wherever the command runs (the controller
     # runs elsewhere); `up` reads them before it starts anything (read_credentials).
@@ -450,6 +461,17 @@ def load_config(path: str | Path) -> ClusterConfig:
         config.kv_transfer.tls = config.kv_transfer.tls.resolved(base)
     check_model(config, str(path))
     return config
+
+
+def _local_path(named: str, base: Path) -> str:
+    """A relative model or tokenizer path that exists beside the YAML file (else here) as an
+    absolute path; anything else (a hub name) as it was."""
+    path = Path(named)
+    if not path.is_absolute() and (base / path).exists():
+        return str((base / path).resolve())
+    if not path.is_absolute() and path.exists():
+        return str(path.resolve())
+    return named
 
 
 def read_credentials(config: ClusterConfig) -> tuple[str | None, list[str]]:

@@ -101,6 +101,11 @@ def test_shipped_configs_are_valid(name):
             "autoscale.enabled: the planner sizes prefill and decode",
         ),
         ({**BASE, "autoscale": {"margin": 1.5}}, "autoscale.margin: Input should be less than 1"),
+        (
+            {**BASE, "roles": {"decode": {"cpu_bind": ["3-0"]}}},
+            "roles.decode.cpu_bind: '3-0' is not a core list like '0', '0-3' or '0,2' (ranges low-high)",
+        ),
+        ({**BASE, "roles": {"decode": {"cpu_bind": ["0-"]}}}, "roles.decode.cpu_bind: '0-' is not a core list"),
     ],
 )
 def test_errors_name_the_yaml_path(data, message):
@@ -291,3 +296,28 @@ def test_a_lease_under_a_second_is_a_config_error():
     """A consumer renews every sixth of a lease: 10 ms leases would have it renew every step."""
     with pytest.raises(ConfigError, match="kv_transfer.lease_seconds"):
         validate_config({**BASE, "kv_transfer": {"lease_seconds": 0.01}})
+
+
+def test_yaml_numbers_are_cores_and_label_values():
+    """`cpu_bind: [0, 1]` and `labels: {zone: 1}` as YAML writes them (numbers) are what their
+    text says; they were refused with "Input should be a valid string"."""
+    config = validate_config(
+        {**BASE, "roles": {"decode": {"cpu_bind": [0, "2-3"], "placement": {"labels": {"zone": 1}}}}}, "test"
+    )
+    assert config.roles.decode.cpu_bind == ["0", "2-3"]
+    assert config.roles.decode.placement.labels == {"zone": "1"}
+
+
+def test_a_relative_tokenizer_resolves_against_the_yaml(tmp_path):
+    """model.tokenizer, like model.path, is relative to the YAML file wherever the command runs
+    (it was left relative: the engines, started elsewhere, looked for it in their own cwd)."""
+    conf = tmp_path / "conf"
+    (conf / "tok").mkdir(parents=True)
+    path = _yaml(conf / "c.yaml", model={"path": str(ROOT / "models/pdcluster-tiny-code"), "tokenizer": "tok"})
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        config = load_config(path)
+    finally:
+        os.chdir(cwd)
+    assert config.model.tokenizer == str(conf / "tok")
