@@ -1,5 +1,6 @@
 """Whether a process runs: held by a pidfd (readable once the process exited), or by its pid or
-process group (signal 0).
+process group (signal 0); and which pid namespace a pid means something in (files named after
+their writer's pid, swept once it is gone: engine/actor.py's secret files, shm segments).
 
 poll(), not select(): select() refuses descriptors past 1024 (ValueError), and a process holding
 many descriptors (connections to its ports, an engine's sockets) gets such numbers."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import select
+from pathlib import Path
 
 
 def exited(pidfd: int, timeout_s: float | None = 0) -> bool:
@@ -35,3 +37,14 @@ def _signal_zero(send, target: int) -> bool:
     except PermissionError:
         return True  # another user's
     return True
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace: its inode and the kernel's boot id (two machines sharing a
+    TMPDIR have the same inode for their initial namespaces); "" where /proc does not say."""
+    try:
+        inode = os.stat("/proc/self/ns/pid").st_ino
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:12]
+    except OSError:
+        return ""
+    return f"{boot}{inode}"

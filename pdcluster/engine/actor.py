@@ -19,7 +19,7 @@ from typing import Any
 from pdcluster.addresses import binds_every_address, node_ip
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.logs import setup_logging
-from pdcluster.pidfds import running
+from pdcluster.pidfds import pid_namespace, running
 
 logger = logging.getLogger(__name__)
 
@@ -79,17 +79,6 @@ def remove_orphan_secret_files(directory: str, namespace: str) -> None:
         except FileNotFoundError:
             continue  # removed meanwhile (its own actor, or another engine's sweep)
         logger.info("removed the KV secret file %s left by a process that is gone", path.name)
-
-
-def pid_namespace() -> str:
-    """This process's pid namespace: its inode and the kernel's boot id (two machines sharing a
-    TMPDIR have the same inode for their initial namespaces); "" where /proc does not say."""
-    try:
-        inode = os.stat("/proc/self/ns/pid").st_ino
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:12]
-    except OSError:
-        return ""
-    return f"{boot}{inode}"
 
 
 class EngineActor:

@@ -18,7 +18,7 @@ from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport, serve_backends
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.collective import CollectiveExtension
-from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
+from pdcluster.kv_transfer.transports.segments import SHM_DIR, owner_prefix
 from pdcluster.kv_transfer.transports.shm_server import ShmExtension
 from tests.unit.kv_fixtures import make_cache
 
@@ -76,7 +76,7 @@ def producer_main(
     conn.send(server.address)
     while (command := conn.recv()) != "stop":
         if command == "segments":
-            conn.send(sorted(p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*")))
+            conn.send(sorted(p.name for p in SHM_DIR.glob(f"{owner_prefix(os.getpid())}*")))
         elif command == "released":
             conn.send(sorted(lease.request_id for lease in producer.leases.collect_finished()))
         elif command == "pushes":  # (direct pushes running, monotonic end of the last one)
@@ -115,7 +115,7 @@ def running_producer(
         pid = parent.recv()
         proc.join(30)
         # Every segment is unlinked when the server stops.
-        assert not list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{pid}-*"))
+        assert not list(SHM_DIR.glob(f"{owner_prefix(pid)}*"))
 
 
 def assert_copied(consumer, request_id, dst_ids) -> None:

@@ -26,7 +26,7 @@ from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.transports.base import CacheSink
-from pdcluster.kv_transfer.transports.segments import SEGMENT_PREFIX, SHM_DIR
+from pdcluster.kv_transfer.transports.segments import SHM_DIR, owner_prefix
 from pdcluster.kv_transfer.transports.shm import ONE_SIDED_MARGIN_S
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.support.engines import REPO
@@ -462,7 +462,7 @@ def test_segment_files_are_unlinked_on_stop(tmp_path):
         consumer, _ = pull_local(server.address)
     finally:
         server.stop(0)
-    assert not list(Path(SHM_DIR).glob(f"{SEGMENT_PREFIX}{os.getpid()}-*"))
+    assert not list(Path(SHM_DIR).glob(f"{owner_prefix(os.getpid())}*"))
 
 
 def pull_local(address):
@@ -527,3 +527,41 @@ def test_a_full_dev_shm_is_a_clear_error_when_a_ring_is_made_not_a_sigbus_later(
     assert any(line.startswith("budget: /dev/shm has") and "one shm ring needs 8388608" in line for line in lines), (
         lines
     )
+
+
+RING_MAKER = """
+import sys, time
+from pdcluster.kv_transfer.transports.segments import Ring
+print(Ring(4096).segment.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_producers_segments_are_removed_by_the_next_producer():
+    """A producer killed (SIGKILL, the OOM killer) cannot unlink its rings: their tmpfs pages
+    stayed in /dev/shm for good, and enough of them made the next producer's ring budget fail.
+    The next producer started in the same pid namespace removes them; a segment named by
+    another pid namespace (test hosts share /dev/shm) is left alone."""
+    import secrets as random_names
+    import signal
+
+    from pdcluster.kv_transfer.transports.shm_server import ShmExtension
+    from pdcluster.pidfds import pid_namespace
+
+    if not pid_namespace():
+        pytest.skip("/proc does not say which pid namespace this is")
+    maker = subprocess.Popen([sys.executable, "-c", RING_MAKER], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    name = maker.stdout.readline().strip()
+    os.kill(maker.pid, signal.SIGKILL)
+    maker.wait(30)
+    left = SHM_DIR / name
+    other = SHM_DIR / f"pdcluster-kv-0123456789ab42.{maker.pid}-{random_names.token_hex(8)}"
+    other.touch(mode=0o600)
+    try:
+        assert left.exists()  # nobody unlinked it
+        extension = ShmExtension(KVProducer(make_cache(), "prefill-0", max_chunk_bytes=CHUNK, lease_wait_s=0.5))
+        extension.close()
+        assert not left.exists() and other.exists()
+    finally:
+        left.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)

@@ -10,11 +10,12 @@ import stat
 import subprocess
 import sys
 
-from pdcluster.engine.actor import pid_namespace, write_secret_file
+from pdcluster.engine.actor import write_secret_file
+from pdcluster.pidfds import pid_namespace
 
 WRITER = (
     "import sys, time\n"
-    "from pdcluster.engine.actor import pid_namespace, write_secret_file\n"
+    "from pdcluster.engine.actor import write_secret_file\n"
     "print(write_secret_file(sys.argv[1], 'the-secret', sys.argv[2]), flush=True)\n"
     "time.sleep(600)\n"
 )

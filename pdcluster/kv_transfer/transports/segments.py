@@ -2,7 +2,10 @@
 
 A producer creates a segment per ring (O_EXCL: it never adopts a file someone else made) and
 unlinks it when its server stops; a consumer maps a segment it was told of, read-only. Names are
-random and only ever sent in reply to an authenticated call. A segment's pages are allocated when
+random and only ever sent in reply to an authenticated call. They name their producer's pid
+namespace and pid (`pdcluster-kv-<pid namespace>.<pid>-<random>`): a producer that was killed
+leaves its segments behind (tmpfs pages), and the next one started in that pid namespace removes
+them (`remove_orphans`; several namespaces may share /dev/shm, as test hosts do). A segment's pages are allocated when
 it is made (posix_fallocate): a full /dev/shm is a clear error then, not a SIGBUS at the first
 write into a page tmpfs cannot back.
 """
@@ -17,12 +20,14 @@ import secrets
 from pathlib import Path
 
 from pdcluster.errors import KVTransferError
+from pdcluster.pidfds import pid_namespace, running
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdcluster-kv-"
-_NAME = re.compile(r"pdcluster-kv-[0-9]+-[0-9a-f]{16}")
+# (a producer from before names carried the namespace: no namespace part)
+_NAME = re.compile(r"pdcluster-kv-(?:[0-9a-f]+\.)?[0-9]+-[0-9a-f]{16}")
 SLOTS = 4  # chunks in flight per pull (4 MiB each by default)
 _PAGE = mmap.PAGESIZE
 
@@ -93,8 +98,30 @@ class Ring:
 
     def __init__(self, slot_bytes: int):
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        name = f"{owner_prefix(os.getpid())}{secrets.token_hex(8)}"
         self.segment = Segment(name, SLOTS * self.slot_bytes, create=True)
 
     def offset(self, index: int) -> int:
         return (index % SLOTS) * self.slot_bytes
+
+
+def owner_prefix(pid: int) -> str:
+    """The start of the names of the segments process `pid` (of this pid namespace) makes."""
+    return f"{SEGMENT_PREFIX}{pid_namespace() or 0}.{pid}-"
+
+
+def remove_orphans() -> None:
+    """Remove this user's segments made in this pid namespace by a process that no longer runs
+    (killed before it could unlink them)."""
+    namespace = pid_namespace()
+    if not namespace:
+        return  # where /proc does not say, a pid is not known to be this namespace's
+    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}{namespace}.*"):
+        pid = path.name[len(SEGMENT_PREFIX) + len(namespace) + 1 :].partition("-")[0]
+        try:
+            if not _NAME.fullmatch(path.name) or path.stat().st_uid != os.getuid() or running(int(pid)):
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        logger.info("removed shared-memory segment %s left by a process that is gone", path.name)

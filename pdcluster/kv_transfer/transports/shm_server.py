@@ -21,7 +21,7 @@ from pdcluster.kv_transfer.staging import Pool
 from pdcluster.kv_transfer.transports import cma, peers, rpc
 from pdcluster.kv_transfer.transports.base import Authorize, ServerExtension
 from pdcluster.kv_transfer.transports.grpc_transport import pull_errors_abort, stream_pull
-from pdcluster.kv_transfer.transports.segments import SHM_DIR, SLOTS, Ring, free_bytes, ring_bytes
+from pdcluster.kv_transfer.transports.segments import SHM_DIR, SLOTS, Ring, free_bytes, remove_orphans, ring_bytes
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class ShmExtension(ServerExtension):
     def __init__(self, producer: KVProducer, concurrent_pulls: int = 1):
         self.producer = producer
         slot_bytes = producer.cache.max_chunk_nbytes(producer.max_chunk_bytes)
+        remove_orphans()  # a killed producer's rings, before the budget counts what is free
         check_ring_budget(ring_bytes(slot_bytes), concurrent_pulls)
         self._rings: list[Ring] = []
         self._lock = threading.Lock()
