@@ -220,7 +220,7 @@ def _yaml(path: Path, **sections) -> Path:
     return path
 
 
-def test_key_and_secret_files_resolve_against_the_yaml_and_must_hold_something(tmp_path):
+def test_key_and_secret_files_resolve_against_the_yaml_and_must_hold_something(tmp_path, monkeypatch):
     """router.api_keys_file and kv_transfer.secret_file are read relative to the YAML file,
     wherever the command runs, and refused when they hold nothing (an empty keys file would
     have left the router open: the two used to disagree)."""
@@ -231,12 +231,8 @@ def test_key_and_secret_files_resolve_against_the_yaml_and_must_hold_something(t
     path = _yaml(conf / "c.yaml", router={"api_keys_file": "keys"}, kv_transfer={"secret_file": "secret"})
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    cwd = os.getcwd()
-    os.chdir(elsewhere)
-    try:
-        config = load_config(path)
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(elsewhere)
+    config = load_config(path)
     assert config.router.api_keys_file == str(conf / "keys")
     assert read_credentials(config) == ("s3cret", ["sk-one", "sk-two"])
     (conf / "keys").write_text("# nobody yet\n\n")
@@ -308,16 +304,12 @@ def test_yaml_numbers_are_cores_and_label_values():
     assert config.roles.decode.placement.labels == {"zone": "1"}
 
 
-def test_a_relative_tokenizer_resolves_against_the_yaml(tmp_path):
+def test_a_relative_tokenizer_resolves_against_the_yaml(tmp_path, monkeypatch):
     """model.tokenizer, like model.path, is relative to the YAML file wherever the command runs
     (it was left relative: the engines, started elsewhere, looked for it in their own cwd)."""
     conf = tmp_path / "conf"
     (conf / "tok").mkdir(parents=True)
     path = _yaml(conf / "c.yaml", model={"path": str(ROOT / "models/pdcluster-tiny-code"), "tokenizer": "tok"})
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        config = load_config(path)
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)
+    config = load_config(path)
     assert config.model.tokenizer == str(conf / "tok")
