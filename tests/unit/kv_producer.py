@@ -29,10 +29,10 @@ REQUESTS = {"req-a": [3, 9, 10, 11, 60], "req-b": list(range(20, 40)), "req-c": 
 
 
 def settings(**overrides) -> KVTransferSettings:
+    overrides.setdefault("pull_timeout_seconds", 20)
     return KVTransferSettings(
         secret=SECRET,
         max_chunk_bytes=CHUNK,
-        pull_timeout_seconds=20,
         # Blocks here are 1 KiB a layer, every run short of TCP's in-place floor: mooncake reads in
         # place unless a test asks for the floor (test_mooncake's short-run test).
         mooncake={"staging_chunk_bytes": STAGING_CHUNK, "in_place_min_run_bytes": 0, **overrides.pop("mooncake", {})},

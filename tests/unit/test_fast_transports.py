@@ -565,3 +565,33 @@ def test_a_killed_producers_segments_are_removed_by_the_next_producer():
     finally:
         left.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+def test_consumers_that_open_a_pair_and_never_join_do_not_hold_up_another():
+    """Two consumers open a collective pair and never join its rendezvous (failed locally, died,
+    or reopened). Each pair's build waits up to the producer's pull timeout: on a pool of two
+    builders a third consumer's build waited behind both, past its own rendezvous deadline, and
+    its pull failed. Builds no longer queue behind each other."""
+    with running_producer(pull_timeout_seconds=4) as (address, _):
+        absent = [create_transport("collective", settings()).connect(address) for _ in range(2)]
+        try:
+            for client in absent:
+                opened = client._open(
+                    pb.CollectiveOpenRequest(consumer_engine_id="decode-absent", backend="gloo", device_kind="cpu"),
+                    metadata=client.control.metadata("CollectiveOpen"),
+                    timeout=5,
+                )
+                assert opened.group_key and not opened.error
+            consumer = make_cache(fill="zeros")
+            client = create_transport("collective", settings(pull_timeout_seconds=2)).connect(address)
+            try:
+                client.handshake(consumer.layout, "decode-0")
+                scatterer = BlockScatterer(consumer, CHUNK)
+                scatterer.begin([40, 41, 42, 43, 44])
+                client.pull("req-a", REQUESTS["req-a"], CacheSink(scatterer), engine_id="decode-0", timeout_s=2)
+                assert_copied(consumer, "req-a", [40, 41, 42, 43, 44])
+            finally:
+                client.close()
+        finally:
+            for client in absent:
+                client.close()

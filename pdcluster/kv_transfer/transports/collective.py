@@ -181,7 +181,9 @@ class CollectiveExtension(ServerExtension):
         self.host = host
         self._pairs: OrderedDict[str, _Pair] = OrderedDict()
         self._lock = threading.Lock()
-        self._opener = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-collective")
+        # A build waits up to the pull timeout for its consumer: one per pair kept, so consumers
+        # that open and never join do not hold up the others' rendezvous
+        self._opener = ThreadPoolExecutor(max_workers=MAX_PAIRS, thread_name_prefix="kv-collective")
         # Pulls on different pairs run at once: each borrows its own two chunk buffers.
         self._buffers: Pool[_Buffers] = Pool(lambda: _Buffers(self.device))
         self._timeout = timedelta(seconds=settings.pull_timeout_seconds)
@@ -236,8 +238,9 @@ class CollectiveExtension(ServerExtension):
         with self._lock:
             for old in [p for p in self._pairs.values() if p.session == session.id]:
                 del self._pairs[old.key]  # that consumer's previous group broke
+                old.group.cancel()  # (a build not started yet)
             while len(self._pairs) >= MAX_PAIRS:
-                self._pairs.popitem(last=False)
+                self._pairs.popitem(last=False)[1].group.cancel()
             group = self._opener.submit(make_pair_group, self.backend, store, PRODUCER, self._timeout, self.host)
             self._pairs[key] = _Pair(key, session.consumer, session.id, store, group)
         logger.info("KV collective pair with %s (%s) opening", session.consumer, self.backend)
