@@ -15,6 +15,7 @@ starts) arms the watch in each of them, never in the host itself.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -40,7 +41,13 @@ def die_with_parent() -> bool:
     host = os.environ.get(HOST_PID_ENV)
     if _armed or not host or not host.isdigit() or int(host) == os.getpid():
         return False
+    # the process that started this one (a child of the host: the host): another parent by now
+    # means it exited before the watch was armed, and this one was reparented (to init)
+    starter = multiprocessing.parent_process()
+    expected = starter.pid if starter is not None and starter.pid else int(host)
     parent = os.getppid()
+    if parent != expected:
+        _end(expected)
     try:
         pidfd = os.pidfd_open(parent)
     except OSError as exc:  # pidfds need Linux 5.3

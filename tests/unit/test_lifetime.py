@@ -60,6 +60,28 @@ def test_a_killed_hosts_engine_processes_exit(child_code):
     assert not child.is_running()
 
 
+# A child that arms the watch only once its host is gone (the window between vLLM's start-up
+# handshake and our plugin loading): it had been reparented, and watched its new parent (init).
+LATE_CHILD = """
+import os, time
+from pdcluster.pidfds import running
+print(os.getpid(), "late", flush=True)
+while running(int(os.environ["PDCLUSTER_ENGINE_HOST_PID"])):
+    time.sleep(0.01)  # poll for the host's end
+from pdcluster.engine.lifetime import die_with_parent
+die_with_parent()
+time.sleep(600)
+"""
+
+
+def test_a_process_whose_host_died_before_it_armed_the_watch_exits():
+    host, child, _ = start_host(HOST, child=LATE_CHILD)
+    host.send_signal(signal.SIGKILL)
+    host.wait(10)
+    child.wait(30)  # it ended itself (raises if it is still running)
+    assert not child.is_running()
+
+
 def test_processes_outside_an_engine_are_left_alone():
     plain = HOST.replace("mark_host()\n", "")
     env = {k: v for k, v in os.environ.items() if k != "PDCLUSTER_ENGINE_HOST_PID"}
