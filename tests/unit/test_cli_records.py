@@ -84,6 +84,7 @@ def test_ctrl_c_while_the_local_ray_head_starts_stops_it(tmp_path, monkeypatch):
     so the signal does not reach it, and no record names it yet; it once ran on for good. Here a
     stand-in head that never says it started (it writes its pid and sleeps)."""
     import _thread
+    import signal
     import threading
     import time
 
@@ -98,10 +99,17 @@ def test_ctrl_c_while_the_local_ray_head_starts_stops_it(tmp_path, monkeypatch):
         deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)  # poll for the stand-in head's pid
-        _thread.interrupt_main()
+        _thread.interrupt_main()  # what Ctrl-C does to `up`
 
-    threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        session.start_local_head(None, tmp_path / "head.log")
+    # Ctrl-C's own handler: a test run started in the background (`make test &`) inherits SIGINT
+    # ignored, and interrupt_main() then does nothing
+    monkeypatch.setattr(session, "HEAD_START_TIMEOUT_S", 60)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            session.start_local_head(None, tmp_path / "head.log")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pid = int(pid_file.read_text())
     assert not group_running(pid)
