@@ -287,6 +287,8 @@ class EngineHost:
 
     async def stop(self) -> None:
         if self._server is not None:
+            if self.events is not None:
+                self.events.end_streams()  # the server waits for every open response to end
             self._stop_serving()
             if self._serve_task is not None:
                 try:

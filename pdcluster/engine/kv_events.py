@@ -152,6 +152,7 @@ class KVEventRelay:
         self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._stop = threading.Event()
+        self._ending = False  # end_streams: every subscriber's stream ends
         self._thread = threading.Thread(target=self._run, name="kv-event-relay", daemon=True)
 
     def config(self) -> dict[str, Any]:
@@ -161,6 +162,15 @@ class KVEventRelay:
         """`drops_last_block`: the engine recomputes the last block of a hit (MTP, EAGLE)."""
         self.block_size, self.hash_algo, self.drops_last_block = block_size, hash_algo, drops_last_block
         self._thread.start()
+
+    def end_streams(self) -> None:
+        """End every subscriber's stream now (the HTTP server is stopping: it waits for every
+        open response, and a stream of ours never ends by itself)."""
+        with self._lock:
+            self._ending = True
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
 
     def stop(self) -> None:
         self._stop.set()
@@ -287,7 +297,7 @@ class KVEventRelay:
             snapshot = self.snapshot()
             last = snapshot["seq"]
             yield _line(snapshot)
-            while True:
+            while not self._ending:
                 try:
                     async with asyncio.timeout(HEARTBEAT_S):
                         await waiter[1].wait()
@@ -295,6 +305,8 @@ class KVEventRelay:
                     yield _line({"type": "heartbeat", "seq": last})
                     continue
                 waiter[1].clear()
+                if self._ending:
+                    return
                 batches = self.since(last)
                 if batches is None:
                     return  # fell behind: the subscriber resubscribes and gets a fresh snapshot
