@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from pdcluster.config import json_schema, load_config
+    from pdcluster.config import json_schema
+    from pdcluster.config_files import load_config
 
     if args.config_command == "schema":
         out(json.dumps(json_schema(), indent=2))
@@ -154,7 +155,7 @@ def _connect(session) -> Any:
 def cmd_up(args: argparse.Namespace) -> int:
     import ray
 
-    from pdcluster.config import load_config, new_secret, read_credentials
+    from pdcluster.config_files import load_config, new_secret, read_credentials
     from pdcluster.orchestrator.controller import Controller, controller_name
     from pdcluster.orchestrator.placement import orchestrator_options, orchestrator_placement, unplaceable
     from pdcluster.orchestrator.session import Session, start_local_head, state_home

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdcluster.config import load_config, read_credentials, validate_config
+from pdcluster.config import validate_config
+from pdcluster.config_files import load_config, read_credentials
 from pdcluster.errors import ConfigError
 from pdcluster.orchestrator.engines import engine_spec
 from pdcluster.vllm_plugin import IDLE_RECHECK_MS
