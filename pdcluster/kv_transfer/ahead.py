@@ -112,7 +112,7 @@ class AheadPulls:
             threading.Thread(target=self._abort, args=(spec, str(exc)), name="kv-abort", daemon=True).start()
             return
         with self._lock:
-            self._queued.pop(rid, None)
+            looked_up = self._queued.pop(rid, None) is not None  # its key is in its lookup already
             held = self._held.pop(rid, None)
             if rid in self._queued_given_up:  # aborted while queued: its load fails once it ends
                 self._queued_given_up.discard(rid)
@@ -124,7 +124,7 @@ class AheadPulls:
                 self._awaiting[rid] = (endpoint, spec)
         if held is not None:
             self._pull(spec, held[0])
-        else:
+        elif not looked_up:
             self._watch(endpoint)
 
     def forsake(self, spec: PullSpec) -> None:
