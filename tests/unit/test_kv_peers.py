@@ -311,3 +311,20 @@ def test_the_peer_registry_works_with_descriptors_past_1024():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_registry_closed_at_once_ends_its_thread_without_an_error(monkeypatch):
+    """A producer that closes its peer registry right after making it (its server failed to
+    start, or the engine stopped at once): the socket's thread registered the listener only once
+    it ran, by then closed, and died with 'Invalid file descriptor: -1'."""
+    import threading
+
+    died = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    for index in range(20):
+        registry = peers.PeerRegistry(f"closed-{index}")
+        thread = registry._thread
+        registry.close()
+        thread.join(10)
+        assert not thread.is_alive()
+    assert died == []

@@ -76,15 +76,18 @@ class PeerRegistry:
         self._lock = threading.Lock()
         self._warn = WarnOnce(logger)
         self._closed = False
+        # poll/epoll, not select(): a descriptor past 1024 (a process holding many) is refused there.
+        # The listener is registered here, not by the thread: a close() before the thread first ran
+        # left it a closed socket to register (ValueError: fd -1).
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._serve, name="kv-shm-peers", daemon=True)
         self._thread.start()
 
     # -- the socket: a thread accepts, answers tokens, and notices closed connections --------
 
     def _serve(self) -> None:
-        # poll/epoll, not select(): a descriptor past 1024 (a process holding many) is refused there
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
+        with self._selector as selector:
             while not self._closed:
                 try:
                     ready = selector.select(0.5)
