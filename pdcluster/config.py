@@ -40,6 +40,9 @@ RESERVED_ENGINE_ARGS = {
     "speculative_config": "speculative",
     "async_scheduling": "roles.<role>.async_scheduling",
 }
+# Engine arguments that would make one replica several engines: a replica is one engine, with
+# its cores, KV endpoint and stats (vLLM's data-parallel ranks would share them all).
+ONE_ENGINE_ARGS = {"data_parallel_size": "roles.<role>.replicas", "data_parallel_size_local": "roles.<role>.replicas"}
 # Engine arguments that must agree between prefill and decode for the KV handoff to work.
 KV_COMPATIBLE_ENGINE_ARGS = ("block_size", "kv_cache_dtype", "tensor_parallel_size")
 
@@ -179,6 +182,11 @@ class RoleSection(_Model):
                 raise ValueError(
                     f"'{key}' is set once for the cluster, under {RESERVED_ENGINE_ARGS[key]} "
                     "(prefill and decode must agree on it)"
+                )
+            if key in ONE_ENGINE_ARGS and value[key] not in (None, 1):
+                raise ValueError(
+                    f"'{key}: {value[key]}' would make each replica {value[key]} engines sharing its cores and "
+                    f"KV endpoint: scale with {ONE_ENGINE_ARGS[key]} instead (one engine per replica)"
                 )
         return value
 

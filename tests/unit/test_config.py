@@ -107,6 +107,10 @@ def test_shipped_configs_are_valid(name):
             "roles.decode.cpu_bind: '3-0' is not a core list like '0', '0-3' or '0,2' (ranges low-high)",
         ),
         ({**BASE, "roles": {"decode": {"cpu_bind": ["0-"]}}}, "roles.decode.cpu_bind: '0-' is not a core list"),
+        (  # a replica is one engine: its data-parallel ranks would share its cores and KV endpoint
+            {**BASE, "roles": {"decode": {"engine_args": {"data_parallel_size": 2}}}},
+            "roles.decode.engine_args: 'data_parallel_size: 2' would make each replica 2 engines",
+        ),
     ],
 )
 def test_errors_name_the_yaml_path(data, message):
