@@ -279,7 +279,9 @@ class Controller:
         for role in self.config.serving_roles():
             pool = self.pools[role]
             active = {r.slot for r in pool if r.state in (ReplicaState.STARTING, ReplicaState.READY)}
-            missing = missing_slots(active, self.config.role(role).replicas)
+            draining = {r.slot for r in pool if r.state == ReplicaState.DRAINING}
+            section = self.config.role(role)
+            missing = missing_slots(active, section.replicas, draining, groups=len(section.cpu_bind))
             if missing and not self._placeable(role):
                 continue
             for slot in missing:

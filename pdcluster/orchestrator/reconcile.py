@@ -2,8 +2,9 @@
 when a replica counts as dead, and how often a slot may be restarted. Pure (no Ray), so the
 rules are tested on their own (tests/unit/test_reconcile.py); the controller applies them.
 
-A role of N replicas has slots 0..N-1 (a scale-up adds the lowest free ones). A replica that dies
-or fails to start leaves its slot empty; the controller's monitor refills empty slots on every
+A role of N replicas has slots 0..N-1 (a scale-up adds the lowest free ones; where the role binds
+cores, `cpu_bind`, a slot whose cores no replica holds, draining ones included, comes first). A
+replica that dies or fails to start leaves its slot empty; the controller's monitor refills empty slots on every
 tick, each slot at most MAX_RESTARTS times per RESTART_WINDOW_S and with a growing pause between
 restarts (RESTART_BACKOFF_S), so a replica that cannot start is retried later instead of never,
 and one that fails at once does not loop.
@@ -20,14 +21,23 @@ MAX_RESTARTS = 5  # restarts per slot within the window (its first start not cou
 RESTART_BACKOFF_S = (0.0, 5.0, 15.0, 30.0, 60.0)  # pause before the 1st, 2nd, ... restart
 
 
-def missing_slots(active: Collection[int], wanted: int) -> list[int]:
-    """The slots to fill so that `wanted` are active: the lowest ones no active replica holds."""
-    missing, slot = [], 0
+def missing_slots(active: Collection[int], wanted: int, draining: Collection[int] = (), groups: int = 0) -> list[int]:
+    """The slots to fill so that `wanted` are active: the lowest ones no active replica holds.
+    `groups`: the role's cpu_bind entries (slot s binds entry s % groups). Slots whose entry no
+    replica holds, active or draining, come first: a scale-up right after a scale-down would
+    otherwise take the draining replica's slot and share its cores for the drain's length, where
+    cores nobody uses exist."""
+    missing: list[int] = []
+    if groups:
+        busy = {slot % groups for slot in (*active, *draining)}
+        free = [group for group in range(groups) if group not in busy]  # slot g binds entry g
+        missing = free[: max(0, wanted - len(active))]
+    slot = 0
     while len(active) + len(missing) < wanted:
-        if slot not in active:
+        if slot not in active and slot not in missing:
             missing.append(slot)
         slot += 1
-    return missing
+    return sorted(missing)
 
 
 @dataclass

@@ -20,6 +20,18 @@ def test_missing_slots_are_the_lowest_free_ones():
     assert missing_slots({0, 1, 2}, 2) == []  # draining ones are not active; more active: none
 
 
+def test_a_scale_up_during_a_drain_takes_cores_nobody_holds():
+    """cpu_bind ['0', '1', '2', '3'], decode 2 -> 1 -> 2 while slot 1 drains: the new replica took
+    slot 1 and shared core 1 with the draining one until its drain ended. It takes slot 2 (core 2)
+    now; where every core is held it shares with the draining replica, not with an active one."""
+    assert missing_slots({0}, 2, draining={1}, groups=4) == [2]
+    assert missing_slots({0}, 3, draining={1}, groups=4) == [2, 3]
+    assert missing_slots({0}, 2, draining={1}, groups=2) == [1]  # no free core: the draining one's
+    assert missing_slots({0}, 4, draining={1}, groups=2) == [1, 2, 3]
+    assert missing_slots({0}, 2, draining={1}) == [1]  # no cpu_bind: the slot binds nothing
+    assert missing_slots({1}, 2, groups=4) == [0]
+
+
 def test_one_slow_health_check_is_not_a_death():
     health = Health()
     assert not any(health.checked(False) for _ in range(HEALTH_FAILURES - 1))
