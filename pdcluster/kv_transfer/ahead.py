@@ -20,6 +20,9 @@ its key too. So a lookup costs a call per request and per lease found, not a cal
 - ended before its lease was found (`abandon`; or before its blocks were allocated: `forsake`):
   its prefill may still file a lease under its key. The key stays looked up, until its deadline,
   and a lease that comes is released at once (not held by the producer until it expires).
+- none comes (the producer hands out an empty lease for the key): the prefill stopped at its
+  first token, and the router answers the request from the prefill's answer. The lookup ends; a
+  request still here is aborted (the router ends it too), without an error.
 
 A request is looked up from its arrival (`queue`), not only once its blocks are allocated (`add`):
 one that queues for blocks longer than the producer's lease lasts would find it expired. A lease
@@ -252,6 +255,9 @@ class AheadPulls:
         (for one that ended meanwhile: released)."""
         with self._lock:
             self._forsaken.pop(spec.request_id, None)  # asked for once
+        if not params_json:
+            self._give_up(spec, "its prefill stopped at its first token: the router answers it", expected=True)
+            return
         try:
             lease = KVParams.from_dict(json.loads(params_json))
             if not lease.verify(self._params_key):
@@ -284,7 +290,7 @@ class AheadPulls:
             remote = ()  # the producer computed another prompt length: the pull fails, vLLM recomputes
         self._submit_pull(PullSpec(spec.request_id, lease, tuple(remote), spec.local_block_ids, awaiting=spec.awaiting))
 
-    def _give_up(self, spec: PullSpec, reason: str) -> None:
+    def _give_up(self, spec: PullSpec, reason: str, expected: bool = False) -> None:
         with self._lock:
             if self._awaiting.pop(spec.request_id, None) is not None:
                 self._given_up.add(spec.request_id)
@@ -292,9 +298,9 @@ class AheadPulls:
                 self._queued_given_up.add(spec.request_id)  # a pull planned before the abort lands fails
             else:
                 return  # found or abandoned meanwhile
-        self._abort(spec, reason)
+        self._abort(spec, reason, logging.INFO if expected else logging.ERROR)
 
-    def _abort(self, spec: PullSpec, reason: str) -> None:
+    def _abort(self, spec: PullSpec, reason: str, level: int = logging.ERROR) -> None:
         assert spec.awaiting is not None
-        logger.error("request %s admitted ahead of its prefill: %s; aborting it", spec.request_id, reason)
+        logger.log(level, "request %s admitted ahead of its prefill: %s; aborting it", spec.request_id, reason)
         report_failure(spec.awaiting.key, spec.awaiting.voucher.remote_engine_id, reason, abort=spec.request_id)

@@ -16,7 +16,8 @@ up by that key, never knowing the producer's request id): `handouts` answers, fo
 the signed lease and the prefill's first token of those registered so far, waiting for one to
 come when none has (until its caller goes away). Ended leases keep their handout a while
 (ENDED_MEMORY): a late lookup still learns the first token, and its pull then fails as for any
-ended lease.
+ended lease. A key whose prefill stopped at its first token gets no lease (the router answers the
+request from the prefill): `none_comes` hands out an empty lease for it, so that its lookup ends.
 """
 
 from __future__ import annotations
@@ -105,11 +106,20 @@ class LeaseTable:
             if wake:
                 self._cond.notify_all()
 
+    def none_comes(self, key: str, first_token: int, wake: bool = True) -> None:
+        """No lease will be filed under `key`: its lookups are answered ("", first_token)."""
+        with self._cond:
+            self._ended_handouts[key] = ("", first_token)
+            while len(self._ended_handouts) > ENDED_MEMORY:
+                self._ended_handouts.popitem(last=False)
+            if wake:
+                self._cond.notify_all()
+
     def handouts(
         self, keys: Sequence[str], wait_s: float = 0.0, stop: threading.Event | None = None
     ) -> dict[str, tuple[str, int]]:
         """key -> (signed lease as JSON, first token) for the keys whose lease was registered
-        (also when it already ended); waits up to wait_s for one when none has yet, or until
+        (also when it already ended; "" for the lease of a key none comes for: `none_comes`); waits up to wait_s for one when none has yet, or until
         `stop` is set (and `wake` called: the caller went away)."""
         end = time.monotonic() + wait_s
         with self._cond:

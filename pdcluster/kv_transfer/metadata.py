@@ -2,7 +2,8 @@
 between prefill, router and decode are params.KVParams).
 
 Per step (scheduler -> worker, `PDConnectorMetadata`):
-  new_leases  producer: finished prefills whose blocks are now held for a consumer to pull
+  new_leases  producer: finished prefills whose blocks are now held for a consumer to pull (and
+              keys no lease will be filed under: the prefill stopped at its first token)
   queued      consumer: leases of requests that arrived here; the worker renews each on its own
               clock (lease_messages.py) until its pull ends or it is released
   awaited     consumer: requests admitted ahead of their prefill that arrived here: their lease
@@ -39,8 +40,14 @@ class LeaseSpec:
     block_ids: tuple[int, ...]
     expiry_unix: float
     key: str = ""  # the key a consumer admitted ahead finds this lease by ("": none asked)
-    params: str = ""  # with a key: the signed lease (KVParams.to_dict as JSON) handed out by it
+    params: str = ""  # with a key: the signed lease (KVParams.to_dict as JSON) handed out by it;
+    # "" with a key and no blocks: none comes (`stopped`: the router answers from the prefill)
     first_token: int = -1  # with a key: the token the prefill sampled (-1: none)
+
+    @property
+    def stopped(self) -> bool:
+        """Files no lease: tells a lookup of `key` that its prefill stopped at its first token."""
+        return bool(self.key) and not self.params
 
 
 @dataclass(frozen=True)

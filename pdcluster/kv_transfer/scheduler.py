@@ -258,7 +258,12 @@ class ConnectorScheduler:
         if not (self.is_producer and kvp.wants_remote_decode(params)):
             return False, None
         if request.status == RequestStatus.FINISHED_STOPPED and params.get(kvp.STOP_ENDS):
-            return False, None  # the router answers it from the prefill's answer: nobody pulls
+            # The router answers it from the prefill's answer: nobody pulls. A decode request
+            # sent ahead (decode_ahead) looks its key up: it learns at once that no lease comes.
+            if key := kvp.lease_key(params):
+                first = request.output_token_ids[0] if request.num_output_tokens else -1
+                self._file(LeaseSpec(request.request_id, (), 0.0, key=key, first_token=first))
+            return False, None
         if (
             request.status
             not in (
@@ -286,7 +291,9 @@ class ConnectorScheduler:
         if key:
             first = request.output_token_ids[0] if request.num_output_tokens else -1
             handout = {"key": key, "params": json.dumps(lease.to_dict()), "first_token": first}
-        spec = LeaseSpec(request.request_id, tuple(block_ids), expiry, **handout)
+        self._file(LeaseSpec(request.request_id, tuple(block_ids), expiry, **handout))
+        return True, lease.to_dict()
+
+    def _file(self, spec: LeaseSpec) -> None:
         if not colocated.file_lease(self.engine_id, spec):  # our worker half here: now, not next step
             self._meta.new_leases.append(spec)
-        return True, lease.to_dict()

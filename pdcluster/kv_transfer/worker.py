@@ -210,6 +210,9 @@ class ConnectorWorker:
         assert self.producer is not None
         now_wall, now_mono = time.time(), time.monotonic()
         for lease in leases:
+            if lease.stopped:
+                self.producer.leases.none_comes(lease.key, lease.first_token, wake=wake)
+                continue
             self.producer.leases.add(
                 lease.request_id,
                 lease.block_ids,

@@ -293,6 +293,42 @@ def test_a_prefill_that_stopped_where_the_router_answers_it_keeps_no_lease(tmp_p
     assert len(connector.build_connector_meta(None).new_leases) == leased
 
 
+def test_a_prefill_that_stopped_for_a_request_sent_ahead_tells_its_key_that_no_lease_comes(tmp_path):
+    """Under decode_ahead the decode request looks the prefill's lease up by key. A prefill that
+    stopped at its first token keeps no lease (STOP_ENDS): the worker is told to answer that key
+    with "none comes" (and the token), so that the lookup ends instead of running to its deadline."""
+    from vllm.v1.request import RequestStatus
+
+    from pdcluster.kv_transfer.metadata import PDHandshakeMetadata
+    from pdcluster.kv_transfer.params import LEASE_KEY, STOP_ENDS
+
+    scheduler, hasher = make_scheduler(vllm_config(tmp_path, "kv_producer"))
+    connector = scheduler.connector
+    connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata(endpoint="198.18.0.5:47001")})
+    req = request(hasher, PROMPT[:300], {**ASK_PREFILL, STOP_ENDS: True, LEASE_KEY: "cd" * 16}, max_tokens=1)
+    scheduler.add_request(req)
+    step(scheduler)
+    req.append_output_token_ids(42)  # the token it stopped at (no model runs here)
+    req.status = RequestStatus.FINISHED_STOPPED
+    assert connector.request_finished(req, local_blocks(scheduler, req)) == (False, None)
+    (spec,) = connector.build_connector_meta(None).new_leases
+    assert spec.stopped and spec.key == "cd" * 16 and spec.block_ids == ()
+    assert spec.first_token == 42
+    # the worker half files it: a lookup of the key is answered at once, with no lease
+    from tests.unit.kv_fixtures import make_worker
+
+    settings = KVTransferSettings.from_connector_config(
+        vllm_config(tmp_path, "kv_producer").kv_transfer_config.kv_connector_extra_config
+    )
+    worker = make_worker(settings, "test-kv_producer", producer=True)
+    try:
+        worker.file_leases([spec])
+        assert worker.producer.handouts(["cd" * 16], 0.0) == {"cd" * 16: ("", spec.first_token)}
+        assert len(worker.producer.leases) == 0  # nothing held, nothing for vLLM to free
+    finally:
+        worker.shutdown()
+
+
 def test_a_producer_whose_worker_shares_the_process_files_its_lease_at_once(tmp_path):
     """Single-process engines: the worker half registered its producer in this process, so the
     lease is filed there when the prefill finishes; a consumer looking it up by key finds it

@@ -305,3 +305,31 @@ def test_a_lease_found_while_its_request_queued_is_released_when_it_ends_unpulle
         assert pulls == [] and pulls_ahead.take_first_tokens() == {}
     finally:
         pulls_ahead.shutdown()
+
+
+@pytest.mark.parametrize("state", ["queued", "awaiting", "forsaken"])
+def test_a_key_whose_prefill_stopped_at_its_first_token_ends_its_lookup(served, monkeypatch, state):
+    """The prefill stopped at its first token (the router answers the request from it: the
+    producer files no lease). A request sent ahead under that key, queued, awaiting with blocks,
+    or already ended (forsaken), was looked up until its deadline (here 10 min), one held call
+    after another. The producer now says that none comes: the lookup ends at once, and a request
+    still here is aborted (the router ends it too) without waiting for its deadline."""
+    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S)
+    producer, server, client = served
+    inbox = FailureInbox(on_abort=(aborted := []).append)  # the engine's API process: aborts
+    monkeypatch.setenv(FAILURE_SOCKET_ENV, inbox.path)
+    pulls: list[PullSpec] = []
+    pulls_ahead = ahead_pulls(lambda endpoint: client, pulls)
+    arrived = awaiting("r-1", "1" * 32, server.address)
+    try:
+        {"queued": pulls_ahead.queue, "awaiting": pulls_ahead.add, "forsaken": pulls_ahead.forsake}[state](arrived)
+        wait_until(lambda: server.lookups_held == 1, "the key's lookup is held")
+        producer.leases.none_comes("1" * 32, 7)  # what the producer's worker files for such a prefill
+        wait_until(lambda: not pulls_ahead._lookups, "the lookup ends")
+        assert server.lookups_held == 0 and pulls == [] and pulls_ahead.take_first_tokens() == {}
+        if state != "forsaken":
+            wait_until(lambda: aborted == ["r-1"], "the request is aborted")
+    finally:
+        pulls_ahead.shutdown()
+        inbox.close()
+    assert aborted == ([] if state == "forsaken" else ["r-1"])
