@@ -19,7 +19,7 @@ from typing import Any
 from pdcluster.addresses import binds_every_address, node_ip
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.logs import setup_logging
-from pdcluster.pidfds import pid_namespace, running
+from pdcluster.pidfds import maker_tag, remove_left_behind
 
 logger = logging.getLogger(__name__)
 
@@ -38,47 +38,25 @@ def process_tree_rss() -> int:
     return total
 
 
-SECRET_FILE_PREFIX = "pdcluster-kv-"
+SECRET_FILE_PREFIX = "pdcluster-secret-"
 SECRET_FILE_SUFFIX = ".secret"
 
 
 def write_secret_file(engine_id: str, secret: str, directory: str | None = None) -> str:
     """A private file (0600) holding the KV secret, for the engine's processes to read as they
-    start; removed once they run (EngineActor.start). Named after its engine (`<cluster>-<replica>`)
-    and the process writing it, by its pid namespace and pid:
-    `pdcluster-kv-<engine>.<pid namespace>-<pid>.<random>.secret`. An actor killed in the middle
-    of a start leaves its file behind: such files, whose writer is gone, are removed here first,
-    by the next engine started on the node (only files written in this pid namespace: several
-    namespaces may share /tmp, as test hosts do, and a pid means nothing outside its own)."""
+    start; removed once they run (EngineActor.start). Named after the process writing it and its
+    engine (`<cluster>-<replica>`): `pdcluster-secret-<pid namespace>.<pid>-<engine>.<random>.secret`.
+    An actor killed in the middle of a start leaves its file behind: such files, whose writer is
+    gone, are removed here first, by the next engine started on the node (pidfds.remove_left_behind:
+    only files written in this pid namespace)."""
     directory = directory or tempfile.gettempdir()
-    namespace = pid_namespace()
-    if namespace:
-        remove_orphan_secret_files(directory, namespace)
+    remove_left_behind(directory, SECRET_FILE_PREFIX, "KV secret file", valid=lambda n: n.endswith(SECRET_FILE_SUFFIX))
     fd, path = tempfile.mkstemp(
-        prefix=f"{SECRET_FILE_PREFIX}{engine_id}.{namespace or 0}-{os.getpid()}.",
-        suffix=SECRET_FILE_SUFFIX,
-        dir=directory,
+        prefix=f"{SECRET_FILE_PREFIX}{maker_tag()}-{engine_id}.", suffix=SECRET_FILE_SUFFIX, dir=directory
     )
     with os.fdopen(fd, "w") as f:  # mkstemp: readable by its owner only
         f.write(secret)
     return path
-
-
-def remove_orphan_secret_files(directory: str, namespace: str) -> None:
-    """Remove this user's secret files written in pid namespace `namespace` by a process that no
-    longer runs."""
-    for path in Path(directory).glob(f"{SECRET_FILE_PREFIX}*{SECRET_FILE_SUFFIX}"):
-        parts = path.name[: -len(SECRET_FILE_SUFFIX)].rsplit(".", 2)
-        written_in, _, pid = parts[1].partition("-") if len(parts) == 3 else ("", "", "")
-        if written_in != namespace or not pid.isdigit():
-            continue  # another namespace's (or not named by write_secret_file)
-        try:
-            if path.stat().st_uid != os.getuid() or running(int(pid)):
-                continue
-            path.unlink()
-        except FileNotFoundError:
-            continue  # removed meanwhile (its own actor, or another engine's sweep)
-        logger.info("removed the KV secret file %s left by a process that is gone", path.name)
 
 
 class EngineActor:

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from pdcluster.engine.spec import EngineSpec
 from pdcluster.engine.stats import EngineStatsRecorder
 from pdcluster.errors import ConfigError
 from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
+from pdcluster.pidfds import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -328,6 +328,6 @@ def private_ipc_dir() -> str | None:
     spawns; an operator's own VLLM_RPC_BASE_PATH wins (None: nothing made)."""
     if os.environ.get(RPC_BASE_ENV):
         return None
-    path = tempfile.mkdtemp(prefix="pdcluster-vllm-ipc-")
+    path = private_dir("pdcluster-vllm-ipc-", "vLLM IPC directory")
     os.environ[RPC_BASE_ENV] = path
     return path

@@ -26,7 +26,6 @@ import asyncio
 import json
 import logging
 import shutil
-import tempfile
 import threading
 import uuid
 from collections import Counter, deque
@@ -34,6 +33,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdcluster.compat import external_hash
+from pdcluster.pidfds import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class KVEventRelay:
         self.hash_algo = ""
         self.drops_last_block = False
         self.epoch = uuid.uuid4().hex  # a new relay (engine) is a new history
-        self.directory = tempfile.mkdtemp(prefix="pdcluster-kvev-")  # 0700: only this user connects
+        self.directory = private_dir("pdcluster-kvev-", "KV events directory")  # 0700: only this user connects
         self.synced = True
         self.probe: list[Any] | None = None  # [hash, tokens] of a root block
         self._cached = CachedBlocks()

@@ -28,11 +28,12 @@ import logging
 import os
 import selectors
 import socket
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+
+from pdcluster.pidfds import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class FailureInbox:
 
     def __init__(self, on_abort: Callable[[str], None] | None = None) -> None:
         self.on_abort = on_abort  # called on the reader thread with vLLM's request id
-        self._dir = Path(tempfile.mkdtemp(prefix="pdcluster-kv-failures-"))  # mode 0700
+        self._dir = Path(private_dir("pdcluster-kv-failures-", "KV failure inbox"))  # mode 0700
         self.path = str(self._dir / "inbox")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)

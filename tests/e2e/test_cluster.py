@@ -194,7 +194,7 @@ def test_streams_take_their_first_token_from_the_prefill(cluster, client, refere
 def test_no_secret_file_outlives_the_engines_start(cluster):
     """Each engine actor wrote the KV secret to a private file for its engine's processes; once
     they run, the file is gone (an actor killed later leaves nothing behind)."""
-    files = Path(tempfile.gettempdir()).glob(f"pdcluster-kv-{cluster.name}-*.secret")
+    files = Path(tempfile.gettempdir()).glob(f"pdcluster-secret-*-{cluster.name}-*.secret")
     left = [p for p in files if p.stat().st_mtime >= STARTED[0]]
     assert left == []
 

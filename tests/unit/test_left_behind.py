@@ -1,17 +1,23 @@
-"""The KV secret's file on each node (engine/actor.py): private, and not left behind by an actor
-killed in the middle of its engine's start (the file is removed once the engine runs, which that
-actor never reached): the next engine started on the node removes it."""
+"""What a killed process leaves in a shared directory (pidfds.remove_left_behind): the KV secret's
+file on each node (engine/actor.py: private, removed once the engine runs, which an actor killed in
+the middle of its engine's start never reached) and an engine's private temp directories (vLLM's
+IPC sockets, the KV events socket, the KV failure inbox: removed when the engine stops, which a
+killed one never does). The next process of that pid namespace to make one removes them; those of
+makers still running, or of other pid namespaces, are left alone."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from pdcluster.engine.actor import write_secret_file
-from pdcluster.pidfds import pid_namespace
+from pdcluster.pidfds import namespace_id, pid_namespace
 
 WRITER = (
     "import sys, time\n"
@@ -42,7 +48,7 @@ def test_a_killed_actors_secret_file_is_removed_by_the_next_engine_started_on_th
         with open(path) as f:
             assert f.read() == "the-secret"
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert os.path.basename(path).startswith(f"pdcluster-kv-c-decode-1.{pid_namespace()}-{os.getpid()}.")
+        assert os.path.basename(path).startswith(f"pdcluster-secret-{pid_namespace()}.{os.getpid()}-c-decode-1.")
     finally:
         starting.kill()
         starting.wait(timeout=30)
@@ -57,13 +63,74 @@ def test_a_secret_file_of_another_pid_namespace_is_left_alone(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=30)  # a pid that runs nothing in this namespace
     namespace = pid_namespace()
-    boot, inode = namespace[:12], int(namespace[12:])
+    boot, inode = Path("/proc/sys/kernel/random/boot_id").read_text().strip(), os.stat("/proc/self/ns/pid").st_ino
+    assert namespace == namespace_id(boot, inode)
     elsewhere = [  # another pid namespace of this kernel; the same one of another machine's
-        tmp_path / f"pdcluster-kv-c-decode-0.{boot}{inode + 1}-{gone.pid}.abc123.secret",
-        tmp_path / f"pdcluster-kv-c-decode-1.{'f' * 12}{inode}-{gone.pid}.abc124.secret",
+        tmp_path / f"pdcluster-secret-{namespace_id(boot, inode + 1)}.{gone.pid}-c-decode-0.abc123.secret",
+        tmp_path / f"pdcluster-secret-{namespace_id('0' * 32, inode)}.{gone.pid}-c-decode-1.abc124.secret",
     ]
-    here = tmp_path / f"pdcluster-kv-c-decode-2.{namespace}-{gone.pid}.def456.secret"
+    here = tmp_path / f"pdcluster-secret-{namespace}.{gone.pid}-c-decode-2.def456.secret"
     for path in (*elsewhere, here):
         path.write_text("the-secret")
     write_secret_file("c-prefill-0", "the-secret", str(tmp_path))
     assert all(path.exists() for path in elsewhere) and not here.exists()
+
+
+MAKER = (  # an engine's three private directories, made as the engine host makes them
+    "import os, sys\n"
+    "from pdcluster.engine.host import private_ipc_dir\n"
+    "from pdcluster.engine.kv_events import KVEventRelay\n"
+    "from pdcluster.kv_transfer.failures import FailureInbox\n"
+    "os.environ.pop('VLLM_RPC_BASE_PATH', None)\n"
+    "made = [private_ipc_dir(), KVEventRelay().directory, os.path.dirname(FailureInbox().path)]\n"
+    "print(*made, flush=True); sys.stdin.read()\n"
+)
+
+
+def test_a_killed_engines_private_directories_are_removed_by_the_next_engine(monkeypatch):
+    """An engine host killed (its actor killed: ray.kill, a lost node, the OOM killer) never
+    removed its three private directories from the temp directory. The next engine's own removes
+    them; a running engine's are left alone."""
+    from pdcluster.engine.host import RPC_BASE_ENV, private_ipc_dir
+    from pdcluster.engine.kv_events import KVEventRelay
+    from pdcluster.kv_transfer.failures import FailureInbox
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="lb-", dir="/tmp"))  # short: sockets are made inside
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again (here and in the children)
+    monkeypatch.setenv(RPC_BASE_ENV, "")  # private_ipc_dir sets it: restored after the test
+    monkeypatch.delenv(RPC_BASE_ENV)
+
+    def maker() -> tuple[subprocess.Popen, list[str]]:
+        process = subprocess.Popen(
+            [sys.executable, "-c", MAKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+        )
+        return process, process.stdout.readline().split()
+
+    killed, left = maker()
+    running, kept = maker()
+    try:
+        assert len(left) == 3 and all(os.path.dirname(path) == str(tmp_path) for path in left), left
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert all(os.path.isdir(path) for path in left)
+        inbox, relay = FailureInbox(), KVEventRelay()
+        try:
+            made = private_ipc_dir()
+            assert not any(os.path.exists(path) for path in left), left
+            assert all(os.path.isdir(path) for path in kept)
+            assert os.path.basename(made).startswith(f"pdcluster-vllm-ipc-{pid_namespace()}.{os.getpid()}-")
+        finally:
+            inbox.close()
+            relay.stop()
+    finally:
+        for process in (killed, running):
+            process.kill()
+            process.wait(timeout=30)
+            process.stdin.close()
+            process.stdout.close()
+        shutil.rmtree(tmp_path)

@@ -20,7 +20,7 @@ import secrets
 from pathlib import Path
 
 from pdcluster.errors import KVTransferError
-from pdcluster.pidfds import pid_namespace, running
+from pdcluster.pidfds import pid_namespace, remove_left_behind
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +113,4 @@ def owner_prefix(pid: int) -> str:
 def remove_orphans() -> None:
     """Remove this user's segments made in this pid namespace by a process that no longer runs
     (killed before it could unlink them)."""
-    namespace = pid_namespace()
-    if not namespace:
-        return  # where /proc does not say, a pid is not known to be this namespace's
-    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}{namespace}.*"):
-        pid = path.name[len(SEGMENT_PREFIX) + len(namespace) + 1 :].partition("-")[0]
-        try:
-            if not _NAME.fullmatch(path.name) or path.stat().st_uid != os.getuid() or running(int(pid)):
-                continue
-            path.unlink()
-        except FileNotFoundError:
-            continue  # removed meanwhile
-        logger.info("removed shared-memory segment %s left by a process that is gone", path.name)
+    remove_left_behind(SHM_DIR, SEGMENT_PREFIX, "shared-memory segment", valid=_NAME.fullmatch)
