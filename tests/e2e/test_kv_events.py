@@ -181,18 +181,17 @@ def test_the_events_stream_requires_the_engine_key(engine):
         assert response.json()["error"]["type"] == "authentication_error"
 
 
-def test_an_engine_followed_by_a_subscriber_stops_at_once(tmp_path):
+def test_an_engine_followed_by_a_subscriber_stops_at_once(engine):
     """The router follows every replica's events (cache_aware, the default policy). An engine told
     to stop waited out its HTTP server's 10 s for that stream, which never ends by itself, then
     cancelled the server mid-shutdown (vLLM's own shutdown never ran, the stream was cut). The
-    stream now ends when the engine stops, and the engine exits cleanly."""
-    spec = tiny_engine("events-stop", kv_events=True)
-    with run_engine(spec, tmp_path) as engine:
-        with engine.client(timeout=60) as client, client.stream("GET", EVENTS_PATH) as response:
-            lines = response.iter_lines()
-            assert json.loads(next(lines))["type"] == "snapshot"
-            engine.process.send_signal(signal.SIGTERM)
-            rest = [json.loads(line) for line in lines if line]  # read until the engine ends it
-        assert all(line["type"] == "heartbeat" for line in rest)
-        assert engine.process.wait(timeout=60) == 0
+    stream now ends when the engine stops, and the engine exits cleanly.
+    It stops the module's engine (one engine start less for the suite): it is the module's last test."""
+    with engine.client(timeout=60) as client, client.stream("GET", EVENTS_PATH) as response:
+        lines = response.iter_lines()
+        assert json.loads(next(lines))["type"] == "snapshot"
+        engine.process.send_signal(signal.SIGTERM)
+        rest = [json.loads(line) for line in lines if line]  # read until the engine ends it
+    assert all(line["type"] == "heartbeat" for line in rest)
+    assert engine.process.wait(timeout=60) == 0
     assert "did not stop in time" not in engine.log_path.read_text(errors="replace")
