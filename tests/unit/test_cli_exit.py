@@ -53,3 +53,17 @@ def test_an_invalid_argument_is_one_line_and_exit_2(args, needle):
     assert done.returncode == EXIT_BAD_INPUT
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(needle) and "--help" in done.stderr, done.stderr
+
+
+def test_bench_hands_every_argument_to_the_benchmark():
+    """`pdcluster bench --quick` was refused by pdcluster's own parser ("unrecognized arguments":
+    argparse's REMAINDER takes no option first), so bench ran only with no argument at all.
+    Every argument reaches bench/serve.py now: one it does not know is its error, under its usage."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pdcluster.cli", "bench", "--quick", "--no-such-flag"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "serve.py: error: unrecognized arguments: --no-such-flag"
