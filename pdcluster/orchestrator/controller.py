@@ -28,7 +28,7 @@ from pdcluster.config import ClusterConfig, RoleName
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.errors import ConfigError, format_errors, one_line
 from pdcluster.keys import engine_http_token
-from pdcluster.logs import setup_logging
+from pdcluster.logs import WarnOnce, setup_logging
 from pdcluster.orchestrator.autoscale import PlannerLoop
 from pdcluster.orchestrator.engines import engine_spec, generation_defaults, worker_class
 from pdcluster.orchestrator.placement import actor_options, demand, orchestrator_options, unplaceable
@@ -45,6 +45,10 @@ INFO_TIMEOUT_S = 10.0
 
 def controller_name(cluster: str) -> str:
     return f"{cluster}-controller"
+
+
+# The router's answers `status` shows (RouterActor methods).
+ROUTER_VIEW = ("latency", "inflight", "rss_bytes", "route_decisions", "cache_index")
 
 
 @dataclass
@@ -95,6 +99,7 @@ class Controller:
         self._retired: list[Replica] = []
         self._budget = RestartBudget()
         self._refused: set[tuple[str, int, str]] = set()  # restart refusals logged (once each)
+        self._warn_once = WarnOnce(logger)
         self.unplaced: dict[str, str] = {}  # role -> why no live node can host a replica now
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self._counters = {role: itertools.count() for role in self.pools}
@@ -205,10 +210,16 @@ class Controller:
         await self._publish()
 
     async def _publish(self) -> None:
-        """Push replica membership and stats to the router; wake up waiters."""
+        """Push replica membership and stats to the router; wake up waiters. A router that is
+        gone is logged (once): the replicas are still watched, scaled and stopped."""
+        import ray
+
         rows = [r.router_row() for pool in self.pools.values() for r in pool if r.url]
         if self.router is not None:
-            await self.router.update_replicas.remote(rows)
+            try:
+                await self.router.update_replicas.remote(rows)
+            except ray.exceptions.RayError as exc:
+                self._warn_once("router", "cannot publish the replicas to the router: %s", one_line(exc, 200))
         self._changed.set()
 
     async def _monitor_loop(self) -> None:
@@ -247,10 +258,7 @@ class Controller:
                     ray.kill(replica.actor, no_restart=True)
                     replica.actor = None
             self._reconcile()
-            try:
-                await self._publish()
-            except ray.exceptions.RayError as exc:  # the router is gone: keep watching the replicas
-                logger.error("cannot publish the replicas to the router: %s", exc)
+            await self._publish()
             self._changed.clear()
             await asyncio.sleep(MONITOR_INTERVAL_S)  # polling interval of the health monitor
 
@@ -352,7 +360,7 @@ class Controller:
         """Set `role`'s replica count (the planner's steps stay within its bounds)."""
         async with self._lock:
             # the replica loads first: no await between choosing the replicas to drain and draining them
-            inflight = await self.router.inflight.remote() if self.router is not None else {}
+            inflight = (await self._ask_router(("inflight",)))[0].get("inflight", {})
             active = [r for r in self.pools[role] if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
             added, draining = [], []
             if replicas > len(active):
@@ -380,7 +388,7 @@ class Controller:
         """No new requests reach it (router excludes DRAINING); stop once it holds nothing."""
         deadline = time.monotonic() + self.config.router.request_timeout_seconds + self.config.kv_transfer.lease_seconds
         while time.monotonic() < deadline and replica.actor is not None and replica.url:
-            inflight = (await self.router.inflight.remote()).get(replica.replica_id, 0)
+            inflight = (await self._ask_router(("inflight",)))[0].get("inflight", {}).get(replica.replica_id, 0)
             stats = (replica.info or {}).get("stats") or {}
             busy = stats.get("running", 0) or stats.get("waiting", 0) or stats.get("kv_cache_usage", 0.0) > 0
             if inflight == 0 and not busy:
@@ -410,26 +418,38 @@ class Controller:
 
     # -- status -------------------------------------------------------------------------
 
+    async def _ask_router(self, names: tuple[str, ...]) -> tuple[dict[str, Any], str | None]:
+        """The router's answers to its methods `names` ({} where there is none), and why it could
+        not be asked: a router actor that died (nothing restarts it) must not take `status` (the
+        replica table) or `scale` down with it."""
+        import ray
+
+        if self.router is None:
+            return {}, None
+        try:
+            answers = await asyncio.gather(*(getattr(self.router, name).remote() for name in names))
+        except ray.exceptions.RayActorError as exc:
+            return {}, f"the router is gone, the endpoint serves nothing ({one_line(exc, 200)})"
+        return dict(zip(names, answers, strict=True)), None
+
     async def status(self) -> dict[str, Any]:
-        latency = await self.router.latency.remote() if self.router is not None else {}
-        inflight = await self.router.inflight.remote() if self.router is not None else {}
+        view, router_error = await self._ask_router(ROUTER_VIEW)
+        latency, inflight = view.get("latency", {}), view.get("inflight", {})
         backend = self.config.kv_transfer.backend
         rows = [replica_row(r, latency, inflight, backend) for pool in self.pools.values() for r in pool]
-        router_rss = await self.router.rss_bytes.remote() if self.router is not None else None
-        routes = await self.router.route_decisions.remote() if self.router is not None else {}
-        cache = await self.router.cache_index.remote() if self.router is not None else {}
         return {
             "name": self.config.name,
             "endpoint": self.endpoint,
-            "router_rss_bytes": router_rss,
+            "router_error": router_error,
+            "router_rss_bytes": view.get("rss_bytes"),
             "mode": self.config.mode,
             "model": self.config.model.served_name,
             "speculative": self.config.speculative.vllm_config() if self.config.speculative else None,
             "uptime_s": time.time() - self.started_at,
             "replicas": rows,
             "unplaced": dict(self.unplaced),
-            "routes": routes,
-            "cache": cache,
+            "routes": view.get("route_decisions", {}),
+            "cache": view.get("cache_index", {}),
             "planner": self.planner.last if self.planner is not None else None,
             "retired": [retired_row(r) for r in self._retired],
         }

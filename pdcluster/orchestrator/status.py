@@ -103,6 +103,8 @@ def format_status(status: dict[str, Any]) -> str:
             f"{r['replica']:<14}{r['role']:<11}{(r['node'] or '-'):<16}{r['state']:<10}{r['inflight']:>5}"
             f"{r['running']:>5}{r['waiting']:>5}{r['kv_cache_usage'] * 100:>6.1f}{ttft:>17}{itl:>16}  {'; '.join(notes)}"
         )
+    if status.get("router_error"):
+        lines.append(f"router: {status['router_error']}")
     routes = status.get("routes") or {}
     if routes:
         lines.append("routes: " + ", ".join(f"{path} {count}" for path, count in sorted(routes.items())))

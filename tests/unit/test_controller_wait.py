@@ -139,3 +139,39 @@ def test_the_monitor_goes_on_when_the_router_cannot_be_told():
 
     assert asyncio.run(scenario()) is True
     assert len(calls) >= 2
+
+
+def test_status_and_scale_go_on_when_the_router_is_gone():
+    """The router actor died (nothing restarts it): `status` failed as a whole with Ray's error,
+    losing the replica table when it is needed most, and `scale` failed too. status shows the
+    table and says the router is gone; a scale-down drains by state alone."""
+    import ray
+
+    from pdcluster.orchestrator.controller import Replica
+    from pdcluster.orchestrator.engines import engine_spec
+    from pdcluster.orchestrator.replicas import ReplicaState
+    from pdcluster.orchestrator.status import format_status
+
+    async def gone(*args):
+        raise ray.exceptions.RayActorError()
+
+    async def scenario():
+        controller = Controller(CONFIG.model_dump_json(), "secret")
+        pool = controller.pools["decode"]
+        for i in range(2):
+            replica = Replica(f"decode-{i}", "decode", i, i, engine_spec(CONFIG, "decode", i, f"decode-{i}"))
+            replica.url, replica.state = f"http://127.0.0.1:{9000 + i}", ReplicaState.READY
+            pool.append(replica)
+        controller.config.roles.decode.replicas = 2
+        methods = ("latency", "inflight", "rss_bytes", "route_decisions", "cache_index", "update_replicas")
+        controller.router = type("Router", (), {name: _Remote(gone) for name in methods})()
+        status = await controller.status()
+        result = await controller.scale("decode", 1)
+        await asyncio.gather(*(r.task for r in controller._retired + pool if r.task is not None))
+        return status, result
+
+    status, result = asyncio.run(scenario())
+    assert [r["replica"] for r in status["replicas"]] == ["decode-0", "decode-1"]
+    assert status["router_error"].startswith("the router is gone")
+    assert "router: the router is gone, the endpoint serves nothing" in format_status(status)
+    assert len(result["draining"]) == 1
