@@ -60,6 +60,8 @@ class PlannerLoop:
                 await self.apply(decision)
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
                 logger.warning("planner: this interval's decision was skipped (%s: %s)", type(exc).__name__, exc)
+            except Exception:  # noqa: BLE001 - a task nobody awaits: anything else ended autoscaling for good
+                logger.exception("planner: this interval's decision failed; deciding again next interval")
 
     async def snapshot(self) -> Snapshot:
         slo = await self.controller.router.slo.remote()

@@ -2,7 +2,8 @@
 calls touch only its replica table, with a stand-in router where one is called): `up` returns
 once nothing is starting, `scale --wait` asks again only after the table changed, instead of
 asking back to back while a replica drains (nothing starting: the plain wait returns at once);
-`scale` refuses what the YAML refuses and drains only replicas still alive after its awaits."""
+`scale` refuses what the YAML refuses and drains only replicas still alive after its awaits;
+status, scale, the monitor and the planner's loop go on when the router, or one interval, fails."""
 
 from __future__ import annotations
 
@@ -175,3 +176,34 @@ def test_status_and_scale_go_on_when_the_router_is_gone():
     assert status["router_error"].startswith("the router is gone")
     assert "router: the router is gone, the endpoint serves nothing" in format_status(status)
     assert len(result["draining"]) == 1
+
+
+def test_the_planner_goes_on_after_an_interval_that_failed():
+    """The planner's loop caught only Ray's errors and timeouts: anything else (a GCS hiccup
+    raising ConnectionError from ray.nodes(), an unexpected stats shape) ended its task, nobody
+    awaiting it, and autoscaling stopped for good while `status` showed its last decision."""
+    from pdcluster.orchestrator.autoscale import PlannerLoop
+
+    planned = validate_config(
+        {"model": {"path": "models/pdcluster-tiny-code"}, "autoscale": {"enabled": True, "interval_seconds": 0.01}},
+        "test",
+    )
+    decided = []
+
+    async def scenario() -> bool:
+        loop = PlannerLoop(Controller(planned.model_dump_json(), "secret"))
+
+        async def snapshot():
+            decided.append(len(decided))
+            raise ConnectionError("GCS unavailable") if len(decided) == 1 else KeyError("waiting")
+
+        loop.snapshot = snapshot
+        loop.start()
+        while len(decided) < 3 and not loop._task.done():
+            await asyncio.sleep(0.01)  # the planner's own interval
+        alive = not loop._task.done()
+        loop.stop()
+        return alive
+
+    assert asyncio.run(scenario()) is True
+    assert len(decided) >= 3
