@@ -8,6 +8,7 @@ decoding) are pushed by the controller with each replica update and exported by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -319,6 +320,13 @@ class RouterMetrics:
     def slo(self) -> dict[str, float | None]:
         """The cluster's p90 TTFT, ITL and prefill phase (seconds) over the SLO window."""
         return {name: getattr(self.cluster, name).percentiles((0.9,))["p90"] for name in ("ttft", "itl", "phase")}
+
+    def forget(self, replica_id: str, role: str) -> None:
+        """A replica left the pool for good: its series and latency window go with it (replicas
+        come and go with scaling and restarts, each under a new id)."""
+        self.windows.pop(replica_id, None)
+        with contextlib.suppress(KeyError):  # (one that never had a request has no series)
+            self.inflight.remove(replica_id, role)
 
     def window(self, replica_id: str) -> ReplicaWindows:
         w = self.windows.get(replica_id)

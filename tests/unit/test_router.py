@@ -238,3 +238,25 @@ def test_relay_passes_each_event_on_as_soon_as_it_is_complete():
     metrics = router.metrics.exposition().decode()
     assert re.search(r'pdcluster_requests_total\{endpoint="completions",outcome="ok"\} 1\.0', metrics), metrics
     assert all(r.inflight_requests == 0 for r in router.replicas.values())
+
+
+def test_a_replica_that_left_takes_its_series_and_latency_window_with_it():
+    """Every replica id ever seen kept its `pdcluster_replica_inflight` series in /metrics and its
+    latency window (status sorts them on every call); replacements and the planner's adds come
+    under new ids, so both grew for the router's life. A replica that left, with nothing in flight
+    on it, leaves neither behind; one still serving keeps them."""
+    from pdcluster.orchestrator.metrics import RouterMetrics
+    from pdcluster.orchestrator.router.pool import ReplicaPool
+
+    metrics = RouterMetrics(lambda: [])
+    pool = ReplicaPool("least_loaded", metrics)
+    pool.update([row("decode-0", "decode"), row("decode-1", "decode")])
+    for rid in ("decode-0", "decode-1"):
+        replica = pool.replicas[rid]
+        pool.enter(replica, 10)
+        metrics.window(rid).ttft.add(0.1)
+        pool.leave(replica, 10)
+    pool.update([row("decode-1", "decode")])  # decode-0 was stopped
+    text = metrics.exposition().decode()
+    assert 'replica="decode-0"' not in text and 'pdcluster_replica_inflight{replica="decode-1"' in text
+    assert set(metrics.windows) == {"decode-1"}

@@ -55,6 +55,7 @@ class ReplicaPool:
             if left and replica.inflight_requests == 0:
                 del self.replicas[rid]
                 self._cut.discard(rid)
+                self.metrics.forget(rid, replica.role)
                 continue
             if left or replica.state == ReplicaState.DEAD:
                 replica.state = ReplicaState.DEAD
