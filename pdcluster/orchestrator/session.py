@@ -27,12 +27,23 @@ from pdcluster.errors import ConfigError, PDClusterError
 from pdcluster.pidfds import group_running
 
 HEAD_START_TIMEOUT_S = 120
+STALE_TRIES = 3  # connections to a joined cluster's address that time out before its record goes
 
 logger = logging.getLogger(__name__)
 
 
 def state_home() -> Path:
     return Path(os.environ.get("PDCLUSTER_HOME", "~/.pdcluster")).expanduser()
+
+
+def host_and_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a Ray address: "host:port", "[v6 address]:port", "ray://host:port"; None
+    where it names no port ("auto")."""
+    rest = address.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 @dataclass
@@ -46,18 +57,26 @@ class Session:
     foreground_pid: int | None = None  # `up --foreground` serving it: `down` asks that one to stop
 
     def is_stale(self) -> bool:
-        """Its Ray is gone: the head we started has exited, or the joined cluster's GCS does not
-        answer."""
+        """Its Ray is gone: the head we started has exited, or the joined cluster's address
+        refuses connections (or times out, STALE_TRIES times in a row). An address that names no
+        host and port ("auto"), or a host name that does not resolve now, proves nothing: the
+        record stays (removing it would leave a live cluster's actors with no record to find)."""
         if self.head_pid is not None:
             return not group_running(self.head_pid)
-        host, _, port = self.ray_address.rpartition(":")
-        if not port.isdigit():
+        target = host_and_port(self.ray_address)
+        if target is None:
             return False  # "auto" and the like: Ray finds it; not ours to judge
-        try:
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=2).close()
-        except OSError:
-            return True
-        return False
+        for _ in range(STALE_TRIES):
+            try:
+                socket.create_connection(target, timeout=2).close()
+            except socket.gaierror:
+                return False
+            except ConnectionRefusedError:
+                return True  # the host answers, nothing listens there
+            except OSError:
+                continue  # timed out or unreachable: a blip, or a host that is gone
+            return False
+        return True
 
     @property
     def path(self) -> Path:

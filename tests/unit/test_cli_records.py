@@ -113,3 +113,28 @@ def test_ctrl_c_while_the_local_ray_head_starts_stops_it(tmp_path, monkeypatch):
         signal.signal(signal.SIGINT, previous)
     pid = int(pid_file.read_text())
     assert not group_running(pid)
+
+
+@pytest.mark.parametrize("form", ["[::1]:{port}", "ray://127.0.0.1:{port}", "127.0.0.1:{port}"])
+def test_a_joined_clusters_record_stays_while_its_address_answers(form):
+    """A joined cluster's record was judged by one TCP connect to `rpartition(":")` of its
+    address: "[::1]:6379" and "ray://head:10001" never resolved, so status, scale and down removed
+    the record of a live cluster (down then reported success and stopped nothing). Every form
+    that answers keeps its record; a refused port is gone; a name that does not resolve proves
+    nothing."""
+    from pdcluster.orchestrator.session import Session
+
+    family, host = (socket.AF_INET6, "::1") if form.startswith("[") else (socket.AF_INET, "127.0.0.1")
+    try:
+        listener = socket.socket(family)
+        listener.bind((host, 0))
+    except OSError:
+        pytest.skip(f"no {host} here")
+    listener.listen()
+    try:
+        port = listener.getsockname()[1]
+        assert not Session("c", form.format(port=port), "ns").is_stale()
+    finally:
+        listener.close()
+    assert Session("c", form.format(port=port), "ns").is_stale()  # now refused
+    assert not Session("c", "no-such-host.invalid:6379", "ns").is_stale()
