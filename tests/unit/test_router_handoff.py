@@ -226,6 +226,23 @@ def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="upstream_error"}') == 1
 
 
+@pytest.mark.parametrize("limit", [0, 2])
+def test_the_token_ids_the_router_asks_decode_for_never_reach_the_client(serve, limit):
+    """The continuation asks the decode replica for token ids (vLLM adds `token_ids` to every
+    choice, and the whole prompt's `prompt_token_ids` to the first); they were removed only where
+    the stream's progress was tracked for migration, so with `migration_limit: 0` every chunk
+    carried them to a client that never asked (the first one the whole prompt)."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, migration_limit=limit))
+    prefill, decode = StandIn(prefill_answer()), StandIn(resuming_decode)
+    response, lines = serve(router, {"prefill-0": prefill, "decode-0": decode}, {**COMPLETION, "stream": True}, [])
+    assert response.status_code == 200, lines
+    events = data(lines)
+    assert [c["text"] for e in events for c in e["choices"]][:2] == [" first", " t101"]
+    assert decode.posts()[0].body["return_token_ids"] is True
+    leaked = {key for e in events for part in (e, *e["choices"]) for key in part if "token_ids" in key}
+    assert leaked == set(), leaked
+
+
 def test_a_continuation_whose_decode_fails_before_answering_moves_to_another(serve):
     """The same failure with migration on (the default): the stream goes on on another decode
     replica from the prompt plus the first token, without a second prefill or an error."""

@@ -262,6 +262,9 @@ def _continuation_body(
 # Top-level fields of a continuation's chunks kept as they are (vLLM puts the fingerprint on the
 # last chunk, speculative decoding's metrics on the usage chunk).
 CARRIED_FIELDS = ("system_fingerprint", "metrics")
+# What the router asks a decode replica for (`return_token_ids`) and the client never gets (a
+# request that asks for them itself takes the classic path: not a continuable field).
+TOKEN_FIELDS = ("token_ids", "prompt_token_ids", "prompt_text")
 
 
 def _event(first: FirstToken, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -362,7 +365,7 @@ def rewrite(
     """One (parsed, not an error) event of a continuation after `generated` tokens the client
     already has, as the client's request would have produced it: the first response's id, the
     chat format for chat requests, usage counting those tokens (`ahead`: the continuation's
-    prompt did not hold them, ahead_body)."""
+    prompt did not hold them, ahead_body), and none of the TOKEN_FIELDS."""
     usage = event.get("usage")
     if usage:
         if ahead:
@@ -382,6 +385,8 @@ def rewrite(
             }
             for c in choices
         ]
+    else:
+        choices = [{key: value for key, value in c.items() if key not in TOKEN_FIELDS} for c in choices]
     out = _event(first, kind, choices)
     if usage:
         out["usage"] = usage

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TOKEN_FIELDS = ("token_ids", "prompt_token_ids", "prompt_text")
+TOKEN_FIELDS = continuation.TOKEN_FIELDS
 
 
 def resumable(body: dict[str, Any], kind: str, defaults: dict[str, Any], max_model_len: int | None = None) -> bool:
