@@ -35,6 +35,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_c
         ({"top_p": 0.9, "stream_options": {"include_usage": True}}, "completions", True),
         # A seeded continuation draws its second token from a fresh generator: another text.
         ({"seed": 7}, "completions", False),
+        # The client's own name for its request (vLLM's body field, as X-Request-Id) changes no
+        # token: it took the classic path, and its stream could not migrate.
+        ({"request_id": "my-request-7"}, "completions", True),
     ],
 )
 def test_which_completions_continue(change, kind, expected):

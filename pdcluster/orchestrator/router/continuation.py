@@ -62,6 +62,7 @@ CONTINUABLE_FIELDS = frozenset(
         "n",
         "skip_special_tokens",
         "spaces_between_special_tokens",
+        "request_id",  # the client's name for the request (as X-Request-Id): no token depends on it
     }
 )
 # Other fields are fine while they are off (clients send defaults): "empty" None/""/[], "zero"
