@@ -81,6 +81,16 @@ def test_deep_nesting_and_huge_numbers_are_400_not_500(content, needle):
     assert needle in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(("stream", "status"), [(b"null", 503), (b'"yes"', 400)])
+def test_a_null_stream_is_not_streamed_as_openai_and_vllm_read_it(stream, status):
+    """Clients that send unset optional fields as null got a 400 for `"stream": null`; it is
+    read as not streamed (here: no replica to answer, a 503), and a non-boolean is still a 400."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    response = asyncio.run(_post_raw(router, b'{"model": "tiny", "prompt": "x", "stream": ' + stream + b"}"))
+    assert response.status_code == status, response.text
+    assert (status == 400) == ("'stream' must be a boolean" in response.json()["error"]["message"])
+
+
 @pytest.mark.parametrize(
     ("method", "path", "status"), [("GET", "/v1/completions", 405), ("POST", "/v1/embeddings", 404)]
 )

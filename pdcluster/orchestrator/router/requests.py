@@ -139,8 +139,8 @@ def validate(body: dict[str, Any], kind: str, settings: RouterSettings) -> None:
             status=404,
             code="model_not_found",
         )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):  # null: not streamed (OpenAI's, vLLM's)
         raise BadRequest("'stream' must be a boolean.", param="stream")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
