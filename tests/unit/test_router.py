@@ -270,3 +270,32 @@ def test_a_replica_that_left_takes_its_series_and_latency_window_with_it():
     text = metrics.exposition().decode()
     assert 'replica="decode-0"' not in text and 'pdcluster_replica_inflight{replica="decode-1"' in text
     assert set(metrics.windows) == {"decode-1"}
+
+
+def test_a_client_gone_while_sending_its_body_is_cancelled_not_an_internal_error(caplog):
+    """A client that closes its connection halfway through its request body: Starlette raises
+    ClientDisconnect, which reached the router's last-resort handler (an ERROR with a traceback,
+    a 500 built for nobody, no request counted). It is counted as cancelled, quietly."""
+    import logging
+    import socket
+    import time
+
+    async def scenario() -> float:
+        url = await router.start("127.0.0.1", 0)
+        try:
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall((head + "Content-Length: 1000\r\n\r\n").encode() + b'{"model": "tiny", "pro')
+            line = 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}'
+            deadline = time.monotonic() + 10
+            while line not in router.metrics.exposition().decode() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the router notices the closed connection
+            return float(router.metrics.exposition().decode().split(line)[1].split()[0])
+        finally:
+            await router.stop()
+
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(scenario()) == 1.0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

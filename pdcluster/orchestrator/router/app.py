@@ -14,6 +14,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pdcluster.addresses import binds_every_address, node_ip
 from pdcluster.errors import ConfigError, NoReplicaError, PDClusterError
@@ -217,6 +218,9 @@ class Router:
         except BadRequest as exc:
             self.metrics.requests.labels(kind, "client_error").inc()
             return exc.response()
+        except ClientDisconnect:  # gone while it sent its body: not the router's failure
+            self.metrics.requests.labels(kind, "cancelled").inc()
+            return Response(status_code=499)  # nobody reads it
         h = self.phases.handoff(body, kind, started)
         # The client's own id (as vLLM takes it: the header, else the body's request_id) names the
         # request on the engines and in its answer's id ("cmpl-<id>"), as one engine answers it.
