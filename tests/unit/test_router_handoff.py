@@ -55,6 +55,8 @@ def test_a_decode_that_hangs_up_unanswered_gets_the_request_prefilled_again_for_
     assert text == (" t0 t1 t2" if stream else "decoded lease 2")
     assert metric(router, 'pdcluster_retries_total{role="decode"}') == 1
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 1
+    # one request, one first token: counted once however many prefill passes it took (was 2)
+    assert metric(router, 'pdcluster_first_token_source_total{role="decode"}') == 1
 
 
 @pytest.mark.parametrize("first_token_from_prefill", [False, True])

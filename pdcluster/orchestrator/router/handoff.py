@@ -103,6 +103,7 @@ class Handoff:
     ahead: Ahead | None = None  # the continuation sent with the prefill, once the prefill matched it
     delivered: bool = False  # bytes went to the client
     route: str | None = None  # its path once decided (PhaseRunner._route), counted when its phases end
+    first_source: str | None = None  # role whose first token the client gets: its last prefill pass says
     outcome: str = "ok"
     _held: list[tuple[ReplicaLoad, int]] = field(default_factory=list)  # with the tokens each holds
     _finished: bool = False
@@ -210,6 +211,8 @@ class PhaseRunner:
         finally:
             if h.route is not None:  # counted once, as the path it ended on
                 self.metrics.routes.labels(h.route).inc()
+            if h.first_source is not None:  # once, however many prefill passes it took
+                self.metrics.first_token_source.labels(h.first_source).inc()
         if not isinstance(response, RelayResponse):
             h.release()
         return response
@@ -338,7 +341,7 @@ class PhaseRunner:
             raise ReplicaError(f"prefill replica {prefill.replica_id} returned an unusable answer: {exc}") from None
         if stop is not None:  # it stopped at token 1: the client's whole answer, decode not asked
             h.answering = None  # its hold ends with the request's (serve)
-            self.metrics.first_token_source.labels("prefill").inc()
+            h.first_source = "prefill"
             return whole_stream(h, TokenClock(self.metrics, prefill.replica_id, h.started), stop)
         if self._faults.random() < self.settings.abandon_after_prefill_rate:
             # Injected fault: the client is gone between phases; nobody pulls this KV.
@@ -362,7 +365,7 @@ class PhaseRunner:
             # (a prefix-cache hit on the prefill), without a continuation ahead.
             h.params, h.first, h.ahead_dropped = None, None, True
             return None
-        self.metrics.first_token_source.labels("prefill" if h.first is not None else "decode").inc()
+        h.first_source = "prefill" if h.first is not None else "decode"
         return None
 
     async def _deliver(self, h: Handoff) -> Response:
