@@ -251,3 +251,45 @@ def test_a_salted_prompt_hashes_as_the_engine_does_and_matches_only_its_own_salt
         return held
 
     assert asyncio.run(scenario()) == {None: 0, "tenant-a": 0, "tenant-b": 0}
+
+
+@pytest.mark.parametrize("line", [b"[1, 2]", b'{"type": "batch", "seq": 1, "ops": [7]}'])
+def test_a_follower_given_a_malformed_event_resubscribes_instead_of_dying(line):
+    """A KV events line that is JSON but not an event object (a list; an op that is no list)
+    raised AttributeError / TypeError, which the follower did not catch: its task ended, the
+    replica's index stayed marked as it was, and nothing followed that replica again. It logs,
+    resubscribes and goes on."""
+    import httpx
+
+    from pdcluster.orchestrator.router.cache_index import CacheIndex
+
+    subscriptions = []
+
+    async def events(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        subscriptions.append(1)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
+        body = line + b"\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> tuple[int, bool]:
+        server = await asyncio.start_server(events, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        index = CacheIndex()
+        async with httpx.AsyncClient() as http:
+            index.http = http
+            index.follow([{"replica_id": "decode-0", "url": url}])
+            task = index._followers["decode-0"][1]
+            for _ in range(200):
+                if len(subscriptions) >= 2 or task.done():
+                    break
+                await asyncio.sleep(0.05)  # the follower's reconnect pause (RETRY_S)
+            alive = not task.done()
+            await index.close()
+        server.close()
+        return len(subscriptions), alive
+
+    count, alive = asyncio.run(scenario())
+    assert alive and count >= 2

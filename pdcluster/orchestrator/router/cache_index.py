@@ -208,7 +208,7 @@ class CacheIndex:
                             break  # a gap: resubscribe for a fresh snapshot
                         if cache.synced:
                             pause, reported = RETRY_S[0], False
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a malformed event too: the follower must outlive it
                 if not reported:
                     logger.warning(
                         "KV events of replica %s interrupted (%s: %s); resubscribing, history meanwhile",
