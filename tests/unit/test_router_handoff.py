@@ -228,6 +228,30 @@ def test_a_continuation_that_fails_after_the_first_token_ends_the_stream_with_an
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="upstream_error"}') == 1
 
 
+@pytest.mark.parametrize("first_token_from_prefill", [False, True])
+def test_a_decode_found_dead_while_the_prefill_ran_is_not_posted_to(serve, first_token_from_prefill):
+    """The decode replica chosen with the prefill is declared dead by the controller while the
+    prefill runs: the request was posted to it all the same (against a host cut off, a 5 s
+    connect timeout and one of the role's attempts). Another decode replica is chosen instead."""
+    router = Router(
+        RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=first_token_from_prefill)
+    )
+    answer = prefill_answer()
+    stand_ins = {}
+
+    async def prefill_then_decode_0_dies(call, out):
+        rows = [row(rid, rid.split("-")[0], s.url) for rid, s in stand_ins.items() if rid != "decode-0"]
+        router.update_replicas(rows + [row("decode-0", "decode", stand_ins["decode-0"].url, ReplicaState.DEAD)])
+        await answer(call, out)
+
+    decode_0, decode_1 = StandIn(decode_answer), StandIn(decode_answer)
+    stand_ins.update({"prefill-0": StandIn(prefill_then_decode_0_dies), "decode-0": decode_0, "decode-1": decode_1})
+    response, lines = serve(router, stand_ins, {**COMPLETION, "stream": True}, [])
+    assert response.status_code == 200, lines
+    assert (len(decode_0.posts()), len(decode_1.posts())) == (0, 1)
+    assert metric(router, 'pdcluster_retries_total{role="decode"}') == 0
+
+
 @pytest.mark.parametrize("limit", [0, 2])
 def test_the_token_ids_the_router_asks_decode_for_never_reach_the_client(serve, limit):
     """The continuation asks the decode replica for token ids (vLLM adds `token_ids` to every

@@ -51,6 +51,7 @@ from pdcluster.kv_transfer import params as kvp
 from pdcluster.kv_transfer.params import KVParams
 from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
+from pdcluster.orchestrator.replicas import ReplicaState
 from pdcluster.orchestrator.router import continuation, migration
 from pdcluster.orchestrator.router.ahead import Ahead, Vouchers, lease_lost
 from pdcluster.orchestrator.router.bodies import answer_body, prefill_body
@@ -229,6 +230,11 @@ class PhaseRunner:
                     return early
                 if needs_prefill and not h.local and h.params is None:
                     continue  # its lease went with a continuation sent ahead and dropped
+                if h.answering.state == ReplicaState.DEAD and h.ahead is None:
+                    # Found dead while the prefill ran: a post to it would wait out the connect
+                    # timeout (a host cut off) and spend one of the role's attempts.
+                    h.drop(h.answering)
+                    h.answering = h.choose(answering_role)
                 if h.first is not None:
                     return self._continuation(h)
                 return await self._deliver(h)
