@@ -28,7 +28,9 @@ def limits(section: AutoscaleSection) -> Limits:
         min_replicas={role: getattr(section, role).min for role in ROLES},
         max_replicas={role: getattr(section, role).max for role in ROLES},
         budget=section.total_budget(),
-        cooldown_s=section.cooldown_seconds,
+        # the window must have turned over since the last change landed, or its p90 still holds
+        # the old size's latencies: a cooldown shorter than the window acts on them again
+        cooldown_s=max(section.cooldown_seconds, section.window_seconds),
         hysteresis=section.hysteresis,
         margin=section.margin,
         kv_high=section.kv_high,

@@ -21,7 +21,7 @@ A role at its max stays there. A role that must grow while the replicas add up t
 takes one from the other role when that role is above its min and its own target is met with
 margin: the planner drains one there, then starts one here ("move"). Nothing acts within
 `cooldown` of the last action landing (its replica ready or gone: the window then holds samples
-of the new size), nor while a replica is still starting or draining, and a role no node can place
+of the new size; a cooldown shorter than the window counts as the window, autoscale.limits), nor while a replica is still starting or draining, and a role no node can place
 is reported, not retried in a loop. A rule held by a bound (a role at its max, the budget) lets
 the next rule act.
 """

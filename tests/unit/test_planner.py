@@ -164,3 +164,17 @@ def test_with_prefill_scaled_to_zero_a_ttft_miss_adds_prefill_again():
     none = RoleView(ready=0)
     decision = run(planner, *(snap(t, ttft=2, phase=None, prefill=none) for t in (0, 5)))[-1]
     assert decision.rule == "add_prefill" and decision.desired == {"prefill": 1, "decode": 1}
+
+
+def test_a_cooldown_shorter_than_the_window_waits_for_the_window():
+    """window_seconds 120, cooldown_seconds 60: at 60 s after a change landed the p90 still held
+    60 s of the old size's latencies, and the planner acted on them again (toward max, then back).
+    The cooldown counts as the window's length where it is shorter."""
+    from pdcluster.config import validate_config
+    from pdcluster.orchestrator.autoscale import limits
+
+    section = validate_config(
+        {"model": {"path": "m"}, "autoscale": {"window_seconds": 120, "cooldown_seconds": 60}}, "test"
+    ).autoscale
+    assert limits(section).cooldown_s == 120
+    assert limits(section.model_copy(update={"cooldown_seconds": 300})).cooldown_s == 300
