@@ -147,7 +147,7 @@ def _get(ref) -> Any:
 def _connect(session) -> Any:
     import ray
 
-    from pdcluster.orchestrator.controller import controller_name
+    from pdcluster.orchestrator.session import controller_name
 
     if not ray.is_initialized():
         ray_connect(session.ray_address, session.namespace)
@@ -161,9 +161,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     import ray
 
     from pdcluster.config_files import load_config, new_secret, read_credentials
-    from pdcluster.orchestrator.controller import Controller, controller_name
+    from pdcluster.orchestrator.controller import Controller
     from pdcluster.orchestrator.placement import orchestrator_options, orchestrator_placement, unplaceable
-    from pdcluster.orchestrator.session import Session, start_local_head, state_home
+    from pdcluster.orchestrator.session import Session, controller_name, start_local_head, state_home
 
     config = load_config(args.config)
     existing = state_home() / f"{config.name}.json"

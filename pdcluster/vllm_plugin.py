@@ -36,10 +36,10 @@ import platform
 from pdcluster import compat
 from pdcluster.engine.dtype import cpu_flags
 from pdcluster.engine.lifetime import die_with_parent
+from pdcluster.engine.spec import WORKER_SPIN_ENV
 
 logger = logging.getLogger(__name__)
 
-WORKER_SPIN_ENV = "PDCLUSTER_WORKER_SPIN_MS"
 AMX_PLUGIN = "pdcluster_amx_permission"  # entry point name (pyproject.toml)
 
 # How often a reader that stopped spinning re-reads its queue (vLLM: every 5 s).

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdcluster.errors import ConfigError
-from pdcluster.vllm_plugin import WORKER_SPIN_ENV
+
+# How long a worker's step queue spins before it sleeps (vllm_plugin.py reads it in the engine's
+# processes). Here, not there: importing the plugin imports torch, and the CLI imports this module.
+WORKER_SPIN_ENV = "PDCLUSTER_WORKER_SPIN_MS"
 
 Role = Literal["prefill", "decode", "aggregated"]
 CONNECTOR_MODULE = "pdcluster.kv_transfer.connector"

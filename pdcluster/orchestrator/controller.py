@@ -34,17 +34,12 @@ from pdcluster.orchestrator.engines import engine_spec, generation_defaults, wor
 from pdcluster.orchestrator.placement import actor_options, demand, orchestrator_options, unplaceable
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import ReplicaState
-from pdcluster.orchestrator.router import RouterActor, RouterSettings
 from pdcluster.orchestrator.status import replica_row, retired_row
 
 logger = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 1.0
 INFO_TIMEOUT_S = 10.0
-
-
-def controller_name(cluster: str) -> str:
-    return f"{cluster}-controller"
 
 
 # The router's answers `status` shows (RouterActor methods).
@@ -117,6 +112,10 @@ class Controller:
     async def start(self) -> str:
         """Start the router and every configured replica; returns the endpoint URL at once."""
         import ray
+
+        # Here, not at the top: every `pdcluster status` imports this module (Ray loads the actor
+        # class to make its handle), and the router's modules import torch (compat).
+        from pdcluster.orchestrator.router import RouterActor, RouterSettings
 
         cfg = self.config
         for role in cfg.serving_roles():

@@ -36,6 +36,11 @@ def state_home() -> Path:
     return Path(os.environ.get("PDCLUSTER_HOME", "~/.pdcluster")).expanduser()
 
 
+def controller_name(cluster: str) -> str:
+    """The controller actor's name (detached, in the cluster's namespace)."""
+    return f"{cluster}-controller"
+
+
 def host_and_port(address: str) -> tuple[str, int] | None:
     """(host, port) of a Ray address: "host:port", "[v6 address]:port", "ray://host:port"; None
     where it names no port ("auto")."""

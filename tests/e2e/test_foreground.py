@@ -193,8 +193,7 @@ def test_down_kills_a_controller_whose_own_shutdown_fails(tmp_path, monkeypatch)
     shut down and that fails: the controller is killed all the same (its router and replicas, its
     own actors, go with it). It was left running while `down` said "stopped" and removed the
     record, so no later `down` could find it and the next `up` found its name taken."""
-    from pdcluster.orchestrator.controller import controller_name
-    from pdcluster.orchestrator.session import Session
+    from pdcluster.orchestrator.session import Session, controller_name
 
     require_clusters_lane()
     name = "e2e-down-stuck"

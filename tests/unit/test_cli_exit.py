@@ -67,3 +67,18 @@ def test_bench_hands_every_argument_to_the_benchmark():
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "serve.py: error: unrecognized arguments: --no-such-flag"
+
+
+def test_status_scale_and_down_import_no_torch():
+    """`pdcluster status` took ~3 s of CPU, most of it importing torch: Ray loads the controller's
+    class to make its handle (importing orchestrator/controller.py), which imported the router,
+    whose modules import torch (compat), and the CLI imported engine/spec.py, which imported the
+    vLLM plugin. The test suite polls status every second while it waits for replicas, on 2 cores.
+    What those commands import leaves torch and vLLM out (~1 s now)."""
+    code = (
+        "import sys; import pdcluster.cli, pdcluster.orchestrator.controller, pdcluster.orchestrator.status; "
+        "print(sorted(m for m in ('torch', 'vllm', 'fastapi', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
