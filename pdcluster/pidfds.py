@@ -23,6 +23,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from pdcluster.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -104,8 +106,23 @@ def remove_left_behind(
         logger.info("removed %s %s left by a process that is gone", what, path.name)
 
 
-def private_dir(prefix: str, what: str) -> str:
+UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
+
+
+def private_dir(prefix: str, what: str, room: int) -> str:
     """A new directory of this process's own (mode 0700) in the temp directory, named after it;
-    those of makers that are gone (killed before they could remove theirs) removed first."""
-    remove_left_behind(tempfile.gettempdir(), prefix, what)
-    return tempfile.mkdtemp(prefix=f"{prefix}{maker_tag()}-")
+    those of makers that are gone (killed before they could remove theirs) removed first.
+    `room`: the longest name of a Unix socket to be made in it. Where the temp directory's path
+    is too long for that, the directory gets a short name (`pdc-<random>`: not swept), or, if even
+    that is too long, the error says so (a socket's bind would fail with less)."""
+    tmp = tempfile.gettempdir()
+    remove_left_behind(tmp, prefix, what)
+    for name in (f"{prefix}{maker_tag()}-", "pdc-"):
+        path = tempfile.mkdtemp(prefix=name)
+        if len(path.encode()) + 1 + room <= UNIX_PATH_MAX:
+            return path
+        os.rmdir(path)
+    raise ConfigError(
+        f"the temp directory {tmp} is too long for the {what}'s Unix sockets (paths of at most "
+        f"{UNIX_PATH_MAX} bytes): set a shorter TMPDIR"
+    )

@@ -325,9 +325,15 @@ def private_ipc_dir() -> str | None:
     processes, removed when the engine stops. vLLM names them ipc://$VLLM_RPC_BASE_PATH/<uuid>,
     by default in /tmp, and leaves them there whenever a process ends without closing them (a
     test run left thousands). Set before vLLM builds its engine, inherited by the processes it
-    spawns; an operator's own VLLM_RPC_BASE_PATH wins (None: nothing made)."""
+    spawns; an operator's own VLLM_RPC_BASE_PATH wins (None: nothing made). A temp directory whose
+    path leaves no room for a directory of its own and vLLM's socket names in a Unix socket path
+    gets vLLM's default (sockets in it, as stock vLLM; a warning says so)."""
     if os.environ.get(RPC_BASE_ENV):
         return None
-    path = private_dir("pdcluster-vllm-ipc-", "vLLM IPC directory")
+    try:
+        path = private_dir("pdcluster-vllm-ipc-", "vLLM IPC directory", room=36)  # vLLM names sockets by uuid4
+    except ConfigError as exc:
+        logger.warning("%s; vLLM's IPC sockets go in it directly (as stock vLLM's)", exc)
+        return None
     os.environ[RPC_BASE_ENV] = path
     return path

@@ -142,7 +142,8 @@ class KVEventRelay:
         self.hash_algo = ""
         self.drops_last_block = False
         self.epoch = uuid.uuid4().hex  # a new relay (engine) is a new history
-        self.directory = private_dir("pdcluster-kvev-", "KV events directory")  # 0700: only this user connects
+        # 0700: only this user connects; room for events_config's socket names
+        self.directory = private_dir("pdcluster-kvev-", "KV events directory", room=len("replay"))
         self.synced = True
         self.probe: list[Any] | None = None  # [hash, tokens] of a root block
         self._cached = CachedBlocks()

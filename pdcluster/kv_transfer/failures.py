@@ -78,7 +78,7 @@ class FailureInbox:
 
     def __init__(self, on_abort: Callable[[str], None] | None = None) -> None:
         self.on_abort = on_abort  # called on the reader thread with vLLM's request id
-        self._dir = Path(private_dir("pdcluster-kv-failures-", "KV failure inbox"))  # mode 0700
+        self._dir = Path(private_dir("pdcluster-kv-failures-", "KV failure inbox", room=len("inbox")))  # mode 0700
         self.path = str(self._dir / "inbox")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)

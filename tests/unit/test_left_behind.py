@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from pdcluster.engine.actor import write_secret_file
 from pdcluster.pidfds import namespace_id, pid_namespace
 
@@ -134,3 +136,45 @@ def test_a_killed_engines_private_directories_are_removed_by_the_next_engine(mon
             process.stdin.close()
             process.stdout.close()
         shutil.rmtree(tmp_path)
+
+
+def test_a_long_temp_directory_still_gets_working_sockets_or_a_clear_error(monkeypatch):
+    """Unix socket paths hold at most 107 bytes. Under a long TMPDIR (a CI runner's work
+    directory) the named private directories left no room for the sockets made in them: the KV
+    failure inbox failed to bind ("AF_UNIX path too long") and the engine with it. Such a
+    directory gets a short name instead (not swept); vLLM's IPC sockets, with 36-byte names, go in
+    TMPDIR itself where even that leaves no room (stock vLLM's place); a TMPDIR too long for any
+    of it is refused naming TMPDIR."""
+    from pdcluster.engine.host import RPC_BASE_ENV, private_ipc_dir
+    from pdcluster.errors import ConfigError
+    from pdcluster.kv_transfer.failures import FailureInbox
+
+    base = Path(tempfile.mkdtemp(prefix="lb-", dir="/tmp"))
+    monkeypatch.setenv(RPC_BASE_ENV, "")
+    monkeypatch.delenv(RPC_BASE_ENV)
+    try:
+        for length in (40, 70, 100):
+            tmp = base / ("d" * (length - len(str(base)) - 1))
+            tmp.mkdir()
+            monkeypatch.setenv("TMPDIR", str(tmp))
+            monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+            if length == 100:
+                with pytest.raises(
+                    ConfigError, match="too long for the KV failure inbox's Unix sockets.*shorter TMPDIR"
+                ):
+                    FailureInbox()
+                continue
+            inbox = FailureInbox()
+            try:
+                assert Path(inbox.path).parent.parent == tmp and len(inbox.path) <= 107
+                assert Path(inbox.path).parent.name.startswith("pdcluster-kv-failures-" if length == 40 else "pdc-")
+            finally:
+                inbox.close()
+            made = private_ipc_dir()
+            if length == 40:
+                assert Path(made).parent == tmp and len(made) + 1 + 36 <= 107
+                monkeypatch.delenv(RPC_BASE_ENV)
+            else:
+                assert made is None and RPC_BASE_ENV not in os.environ  # vLLM's default: TMPDIR itself
+    finally:
+        shutil.rmtree(base)
