@@ -60,6 +60,8 @@ def test_kv_endpoint_refuses_raw_client_without_secret(cluster):
 def _listening(port: int) -> set[str]:
     addresses = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue  # a kernel booted with IPv6 off has no tcp6 table
         for line in Path(table).read_text().splitlines()[1:]:
             local, state = line.split()[1], line.split()[3]
             address, hexport = local.rsplit(":", 1)

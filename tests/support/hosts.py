@@ -43,9 +43,25 @@ RAY_SLOW_START = "The current node timed out during startup"  # ray/_private/nod
 logger = logging.getLogger(__name__)
 
 
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21  # linux/capability.h
+
+
+def has_capabilities(*caps: int) -> bool:
+    """Whether this process holds every capability in `caps` (root in an unprivileged container,
+    Docker's default, lacks CAP_NET_ADMIN and CAP_SYS_ADMIN)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    effective = int(next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0"), 16)
+    return all(effective >> cap & 1 for cap in caps)
+
+
 def require_root() -> None:
     if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("unshare") and shutil.which("nsenter")):
         pytest.skip("test hosts need root and iproute2/util-linux (ip, unshare, nsenter)")
+    if not has_capabilities(CAP_NET_ADMIN, CAP_SYS_ADMIN):
+        pytest.skip("test hosts need CAP_NET_ADMIN and CAP_SYS_ADMIN (root in an unprivileged container lacks them)")
 
 
 def _run(*args: str) -> None:

@@ -513,8 +513,10 @@ def test_a_full_dev_shm_is_a_clear_error_when_a_ring_is_made_not_a_sigbus_later(
     """In a mount namespace of its own, /dev/shm is a 1 MiB tmpfs: an 8 MiB segment is refused
     when it is made (its pages are allocated then), and the producer's start-up budget check
     names the shortfall."""
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare(1) for a private /dev/shm")
+    from tests.support.hosts import CAP_SYS_ADMIN, has_capabilities
+
+    if os.geteuid() != 0 or not shutil.which("unshare") or not has_capabilities(CAP_SYS_ADMIN):
+        pytest.skip("needs root with CAP_SYS_ADMIN and unshare(1) for a private /dev/shm")
     script = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && {sys.executable} -c '{SMALL_SHM}'"
     result = subprocess.run(
         ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.e2e.handoff.common import BLOCK
-from tests.support.cores import SECOND
+from tests.support.cores import FIRST, SECOND
 from tests.support.engines import thread_cores, vllm_processes
 from tests.support.handoff import handoff, info, wait_for
 from tests.support.prompts import token_prompt
@@ -29,7 +29,7 @@ def test_engines_run_their_model_in_the_engine_core_unless_told_otherwise(engine
     assert single["single_process"] is True and single["single_process_reason"] == ""
     assert split["single_process"] is False
     processes = vllm_processes(engines["agg"].process.pid)
-    assert processes == {"VLLM::EngineCore": [0]}, processes
+    assert processes == {"VLLM::EngineCore": [int(FIRST)]}, processes  # the reference's core
     processes = vllm_processes(engines["decode-shm"].process.pid)
     assert "VLLM::EngineCore" in processes and any(t.startswith("VLLM::Worker") for t in processes), processes
 
