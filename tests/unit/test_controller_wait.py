@@ -65,6 +65,22 @@ def test_scale_refuses_what_the_cluster_yaml_refuses():
         assert controller.config.role(role).replicas == config.role(role).replicas
 
 
+def serving_decodes(count: int) -> Controller:
+    """A controller whose table holds `count` ready decode replicas (no actors: nothing here
+    calls one)."""
+    from pdcluster.orchestrator.controller import Replica
+    from pdcluster.orchestrator.engines import engine_spec
+    from pdcluster.orchestrator.replicas import ReplicaState
+
+    controller = Controller(CONFIG.model_dump_json(), "secret")
+    for i in range(count):
+        replica = Replica(f"decode-{i}", "decode", i, i, engine_spec(CONFIG, "decode", i, f"decode-{i}"))
+        replica.url, replica.state = f"http://127.0.0.1:{9000 + i}", ReplicaState.READY
+        controller.pools["decode"].append(replica)
+    controller.config.roles.decode.replicas = count
+    return controller
+
+
 class _Remote:
     """A Ray actor method as the controller calls it (`.remote(...)`, awaited)."""
 
@@ -77,18 +93,11 @@ def test_a_replica_that_dies_while_a_scale_down_asks_the_router_is_not_drained_a
     monitor retires it, as _replace does): the replicas drained are chosen among the live ones
     after that call, so the dead one is not drained a second time (its stop raised, since it
     had left the pool) and one replica is left serving."""
-    from pdcluster.orchestrator.controller import Replica
-    from pdcluster.orchestrator.engines import engine_spec
     from pdcluster.orchestrator.replicas import ReplicaState
 
     async def scenario():
-        controller = Controller(CONFIG.model_dump_json(), "secret")
+        controller = serving_decodes(3)
         pool = controller.pools["decode"]
-        for i in range(3):
-            replica = Replica(f"decode-{i}", "decode", i, i, engine_spec(CONFIG, "decode", i, f"decode-{i}"))
-            replica.url, replica.state = f"http://127.0.0.1:{9000 + i}", ReplicaState.READY
-            pool.append(replica)
-        controller.config.roles.decode.replicas = 3
 
         async def inflight():
             dead = pool[0]  # dies meanwhile: retired by the monitor
@@ -148,22 +157,14 @@ def test_status_and_scale_go_on_when_the_router_is_gone():
     table and says the router is gone; a scale-down drains by state alone."""
     import ray
 
-    from pdcluster.orchestrator.controller import Replica
-    from pdcluster.orchestrator.engines import engine_spec
-    from pdcluster.orchestrator.replicas import ReplicaState
     from pdcluster.orchestrator.status import format_status
 
     async def gone(*args):
         raise ray.exceptions.RayActorError()
 
     async def scenario():
-        controller = Controller(CONFIG.model_dump_json(), "secret")
+        controller = serving_decodes(2)
         pool = controller.pools["decode"]
-        for i in range(2):
-            replica = Replica(f"decode-{i}", "decode", i, i, engine_spec(CONFIG, "decode", i, f"decode-{i}"))
-            replica.url, replica.state = f"http://127.0.0.1:{9000 + i}", ReplicaState.READY
-            pool.append(replica)
-        controller.config.roles.decode.replicas = 2
         methods = ("latency", "inflight", "rss_bytes", "route_decisions", "cache_index", "update_replicas")
         controller.router = type("Router", (), {name: _Remote(gone) for name in methods})()
         status = await controller.status()
