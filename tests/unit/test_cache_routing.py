@@ -1,6 +1,6 @@
 """Cache-aware routing (policies.CacheAware) and conditional disaggregation (handoff._route):
 the choice by what each replica holds, weighed against load, and the local-prefill path, against
-stand-in replicas on real sockets. With live engines: tests/e2e/test_kv_events.py, test_routing.py."""
+stand-in replicas on real sockets. With live engines: tests/e2e/test_kv_events.py, pd/test_routing.py."""
 
 from __future__ import annotations
 

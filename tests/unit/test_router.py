@@ -1,6 +1,6 @@
 """The router's request path against replicas that are really unreachable (closed ports on
 127.0.0.1): every prefill replica is tried once, then the client gets a clear 503; the router
-itself keeps serving. (The same paths with live engines are in tests/e2e/test_reliability.py.)"""
+itself keeps serving. (The same paths with live engines are in tests/e2e/pd/test_reliability.py.)"""
 
 from __future__ import annotations
 

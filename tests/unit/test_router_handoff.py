@@ -1,7 +1,7 @@
 """The router's P/D handoff against stand-in replicas on real sockets (replica_stand_ins.py): how it
 recovers from each kind of replica failure, what it answers when no replica is left, that the
 decode replica is chosen before any prefill, and how a relayed stream is read (tokens, errors,
-a continuation rewritten). With live engines: tests/e2e/test_reliability.py, handoff/."""
+a continuation rewritten). With live engines: tests/e2e/pd/test_reliability.py, handoff/."""
 
 from __future__ import annotations
 

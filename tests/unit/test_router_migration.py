@@ -1,7 +1,7 @@
 """Mid-stream decode failover through the router (migration.py) against stand-in replicas on
 real sockets (replica_stand_ins.py): a decode stream that breaks goes on on another replica from
 exactly where it broke, or starts over when the client has nothing yet; what cannot migrate ends
-with an error event. With live engines: tests/e2e/test_reliability.py."""
+with an error event. With live engines: tests/e2e/pd/test_reliability.py."""
 
 from __future__ import annotations
 

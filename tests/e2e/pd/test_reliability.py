@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcluster.keys import engine_http_token
-from tests.e2e.conftest import PD_LEASE_S, PD_SECRET
+from tests.e2e.pd.conftest import PD_LEASE_S, PD_SECRET
 from tests.support.engines import engine_core
 from tests.support.prompts import heldout_prompts, token_prompt
 

@@ -13,7 +13,7 @@ import pytest
 from pdcluster.keys import ENGINE_HTTP, KV_AUTH, KV_PARAMS, derive_key, engine_http_token
 from pdcluster.kv_transfer.protocol import PROTOCOL_VERSION
 from pdcluster.protos import kv_transfer_pb2 as pb
-from tests.e2e.conftest import PD_SECRET
+from tests.e2e.pd.conftest import PD_SECRET
 from tests.support.cluster import cli
 from tests.support.engines import assert_engine_key_required
 from tests.support.raw_grpc import refused_raw_pull

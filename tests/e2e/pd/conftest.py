@@ -1,0 +1,33 @@
+"""`pd_cluster` (package): 2 prefill + 2 decode replicas with cache-aware routing, killed, fuzzed
+and probed by test_reliability, routed by test_routing and probed by test_security: one cluster
+start for the three. A package of its own so that the cluster stops when its last module ends
+(a package fixture of tests/e2e lived to the clusters lane's end: ~9 GB of engines and actors
+beside the modules after it, and Ray's memory monitor killed the multi-host test's controller)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.cluster import cluster_up, write_config
+
+PD_SECRET = "reliability-secret-7f3a9c"
+PD_LEASE_S = 8
+
+
+@pytest.fixture(scope="package")
+def pd_cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("pd-cluster")
+    (home / "secret").write_text(PD_SECRET)
+    config = write_config(
+        home / "cluster.yaml",
+        name="e2e-rel",
+        roles={"prefill": {"replicas": 2}, "decode": {"replicas": 2}},
+        model={"max_model_len": 4096},  # room for streams long enough to be killed mid-way
+        kv_transfer={"secret_file": str(home / "secret"), "lease_seconds": PD_LEASE_S},
+        router={
+            "max_body_bytes": 1 << 20,
+            "policy": "cache_aware",
+        },
+    )
+    with cluster_up(home, config) as running:
+        yield running
