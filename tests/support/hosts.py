@@ -37,6 +37,7 @@ PREFIX = 24
 SHM_BYTES = 512 << 20
 RAY_DIR = "/tmp/ray"  # Ray's default state directory, private to each host
 RAY_DIR_BYTES = 2 << 30
+RAY_ENV = ("env", f"RAY_TMPDIR={Path(RAY_DIR).parent}")
 RAY_STARTED = "Ray runtime started"
 RAY_SLOW_START = "The current node timed out during startup"  # ray/_private/node.py
 
@@ -76,8 +77,9 @@ class Host:
     veth: str  # the bridge side of its link (down: the host is cut off)
 
     def command(self, *argv: str) -> list[str]:
-        """argv run inside this host (all of its namespaces)."""
-        return ["nsenter", "-t", str(self.init_pid), "-n", "-u", "-i", "-m", "-p", "--", *argv]
+        """argv run inside this host (all of its namespaces). Ray's state goes in the host's own
+        RAY_DIR whatever TMPDIR says (Ray puts it under RAY_TMPDIR, else TMPDIR, else /tmp)."""
+        return ["nsenter", "-t", str(self.init_pid), "-n", "-u", "-i", "-m", "-p", "--", *RAY_ENV, *argv]
 
     def run(self, *argv: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(*argv), capture_output=True, text=True, timeout=timeout, check=check)
