@@ -119,8 +119,9 @@ class LeaseTable:
         self, keys: Sequence[str], wait_s: float = 0.0, stop: threading.Event | None = None
     ) -> dict[str, tuple[str, int]]:
         """key -> (signed lease as JSON, first token) for the keys whose lease was registered
-        (also when it already ended; "" for the lease of a key none comes for: `none_comes`); waits up to wait_s for one when none has yet, or until
-        `stop` is set (and `wake` called: the caller went away)."""
+        (also when it already ended; "" for the lease of a key none comes for: `none_comes`);
+        waits up to wait_s for one when none has yet, or until `stop` is set (and `wake` called:
+        the caller went away)."""
         end = time.monotonic() + wait_s
         with self._cond:
             while True:
