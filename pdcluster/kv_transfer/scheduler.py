@@ -56,6 +56,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def first_token(request: Any) -> int:
+    """The token a finished prefill sampled (-1: none)."""
+    return request.output_token_ids[0] if request.num_output_tokens else -1
+
+
 class ConnectorScheduler:
     def __init__(
         self,
@@ -261,8 +266,7 @@ class ConnectorScheduler:
             # The router answers it from the prefill's answer: nobody pulls. A decode request
             # sent ahead (decode_ahead) looks its key up: it learns at once that no lease comes.
             if key := kvp.lease_key(params):
-                first = request.output_token_ids[0] if request.num_output_tokens else -1
-                self._file(LeaseSpec(request.request_id, (), 0.0, key=key, first_token=first))
+                self._file(LeaseSpec(request.request_id, (), 0.0, key=key, first_token=first_token(request)))
             return False, None
         if (
             request.status
@@ -289,8 +293,7 @@ class ConnectorScheduler:
         key = kvp.lease_key(params)
         handout = {}
         if key:
-            first = request.output_token_ids[0] if request.num_output_tokens else -1
-            handout = {"key": key, "params": json.dumps(lease.to_dict()), "first_token": first}
+            handout = {"key": key, "params": json.dumps(lease.to_dict()), "first_token": first_token(request)}
         self._file(LeaseSpec(request.request_id, tuple(block_ids), expiry, **handout))
         return True, lease.to_dict()
 

@@ -359,7 +359,7 @@ class Controller:
         """Set `role`'s replica count (the planner's steps stay within its bounds)."""
         async with self._lock:
             # the replica loads first: no await between choosing the replicas to drain and draining them
-            inflight = (await self._ask_router(("inflight",)))[0].get("inflight", {})
+            inflight = await self._inflight()
             active = [r for r in self.pools[role] if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
             added, draining = [], []
             if replicas > len(active):
@@ -387,7 +387,7 @@ class Controller:
         """No new requests reach it (router excludes DRAINING); stop once it holds nothing."""
         deadline = time.monotonic() + self.config.router.request_timeout_seconds + self.config.kv_transfer.lease_seconds
         while time.monotonic() < deadline and replica.actor is not None and replica.url:
-            inflight = (await self._ask_router(("inflight",)))[0].get("inflight", {}).get(replica.replica_id, 0)
+            inflight = (await self._inflight()).get(replica.replica_id, 0)
             stats = (replica.info or {}).get("stats") or {}
             busy = stats.get("running", 0) or stats.get("waiting", 0) or stats.get("kv_cache_usage", 0.0) > 0
             if inflight == 0 and not busy:
@@ -430,6 +430,10 @@ class Controller:
         except ray.exceptions.RayActorError as exc:
             return {}, f"the router is gone, the endpoint serves nothing ({one_line(exc, 200)})"
         return dict(zip(names, answers, strict=True)), None
+
+    async def _inflight(self) -> dict[str, int]:
+        """Requests the router has in flight per replica ({} where it cannot say)."""
+        return (await self._ask_router(("inflight",)))[0].get("inflight", {})
 
     async def status(self) -> dict[str, Any]:
         view, router_error = await self._ask_router(ROUTER_VIEW)

@@ -4,8 +4,8 @@ rules are tested on their own (tests/unit/test_reconcile.py); the controller app
 
 A role of N replicas has slots 0..N-1 (a scale-up adds the lowest free ones; where the role binds
 cores, `cpu_bind`, a slot whose cores no replica holds, draining ones included, comes first). A
-replica that dies or fails to start leaves its slot empty; the controller's monitor refills empty slots on every
-tick, each slot at most MAX_RESTARTS times per RESTART_WINDOW_S and with a growing pause between
+replica that dies or fails to start leaves its slot empty; the controller's monitor refills empty
+slots on every tick, each slot at most MAX_RESTARTS times per RESTART_WINDOW_S and with a growing pause between
 restarts (RESTART_BACKOFF_S), so a replica that cannot start is retried later instead of never,
 and one that fails at once does not loop.
 """

@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TOKEN_FIELDS = continuation.TOKEN_FIELDS
-
 
 def resumable(body: dict[str, Any], kind: str, defaults: dict[str, Any], max_model_len: int | None = None) -> bool:
     """Can a broken stream of this request continue on another decode replica?"""
@@ -124,10 +122,10 @@ class Progress:
                 created=int(event.get("created", 0)),
                 model=str(event.get("model", "")),
             )
-        for key in TOKEN_FIELDS:
+        for key in continuation.TOKEN_FIELDS:
             event.pop(key, None)
         for choice in event.get("choices") or ():
-            for key in TOKEN_FIELDS:
+            for key in continuation.TOKEN_FIELDS:
                 choice.pop(key, None)
         return event
 
