@@ -112,3 +112,53 @@ def test_the_venv_is_made_with_python_3_11_or_setup_says_what_to_do(tmp_path):
         assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         assert "make PYTHON=/path/to/python3.11" in refused.stderr and python in refused.stderr
         assert not (tmp_path / "refused").exists()
+
+
+def probe_wheel(folder: Path, name: str = "pdc_install_probe", version: str = "1.0") -> str:
+    """A one-module wheel no index holds: only the find-links folder it lies in can provide it."""
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 1\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: pdcluster-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{dist}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+    return f"{name.replace('_', '-')}=={version}"
+
+
+def test_install_lock_uses_uv_with_pips_settings_and_pip_where_uv_cannot_be_had(tmp_path):
+    """make setup's install step (tools/install_lock.sh): uv installs the lock from where pip's
+    configuration says (here: only a find-links folder, no index), with the bytecode compiled;
+    where uv cannot be installed it is pip, with the same outcome."""
+    script = ROOT / "tools" / "install_lock.sh"
+    uv_version = next(
+        line.split("=", 1)[1] for line in script.read_text().splitlines() if line.startswith("UV_VERSION=")
+    )
+    with_uv, without_uv = tmp_path / "with-uv", tmp_path / "without-uv"
+    with_uv.mkdir(), without_uv.mkdir()
+    pin = probe_wheel(with_uv) and probe_wheel(without_uv)
+    # uv's wheel from this machine's usual package sources, before they are taken away below.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"uv=={uv_version}", "-d", with_uv],
+        check=True,
+        timeout=300,
+    )
+    lock = tmp_path / "probe.lock"
+    lock.write_text(f"# one pin\n{pin}\n")
+    for wheels, installer in ((with_uv, f"with uv {uv_version}"), (without_uv, "with pip")):
+        venv = tmp_path / f"venv-{wheels.name}"
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=300)
+        env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheels))
+        env.pop("PIP_EXTRA", None)
+        done = subprocess.run(
+            [script, venv / "bin" / "python", lock], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"installed {lock} {installer}" in done.stdout, done.stdout
+        site = next((venv / "lib").glob("python3.*/site-packages"))
+        assert list((site / "pdc_install_probe" / "__pycache__").glob("__init__.*.pyc")), "no bytecode compiled"
