@@ -48,9 +48,10 @@ CLUSTER_MODULES = [
     "tests/e2e/pd",  # test_reliability, test_routing, test_security: one cluster (pd/conftest.py)
 ]
 # Modules that start engines directly (no cluster), run at the end of the clusters lane to even
-# the lanes out (the engines lane ran ~5 min longer without them, on 2 cores): after pd/, whose
-# cluster (~9 GB of engines and actors) stops with its package.
-BALANCE_MODULES = ["tests/e2e/test_bf16_identity.py"]
+# the lanes out (with bf16's module alone here, the engines lane ended ~6 min after this one, its
+# unit tests running on one core of two): after pd/, whose cluster (~9 GB of engines and actors)
+# stops with its package.
+BALANCE_MODULES = ["tests/e2e/test_bf16_identity.py", "tests/e2e/test_mtp_pd.py"]
 # Ray's memory monitor kills a node's actors when the *machine's* memory runs high: the two lanes'
 # engines share one machine, and it killed one lane's controller for the other lane's engines.
 # Off for the Ray clusters the tests start (the kernel's OOM killer still guards the machine).
