@@ -348,6 +348,13 @@ class AutoscaleSection(_Model):
     hysteresis: int = Field(3, ge=1, le=100, description="Intervals in a row a rule must hold before it acts.")
     margin: float = Field(0.3, gt=0, lt=1, description="Targets met with margin: p90 ≤ (1 - margin) x target.")
     kv_high: float = Field(0.9, gt=0, le=1, description="Decode KV cache usage that adds a decode replica.")
+    start_timeout_seconds: float = Field(
+        600,
+        gt=0,
+        le=86400,
+        description="A replica the planner added that is not ready this long after is scaled away again, and its"
+        " role reported unplaceable for a cooldown (Ray holds an actor whose resources are taken for as long as they are).",
+    )
 
     @model_validator(mode="after")
     def _budget_fits(self) -> AutoscaleSection:

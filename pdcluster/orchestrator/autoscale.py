@@ -2,7 +2,12 @@
 router's latencies and the replicas' engine stats into a snapshot, asks the planner
 (orchestrator/planner.py) what to do, records the decision (log, /metrics, `status`) and, in
 `mode: act`, carries it out through the controller's own scale-and-drain path. A move (the budget
-is reached) drains a replica of one role first, then starts one of the other."""
+is reached) drains a replica of one role first, then starts one of the other.
+
+Ray keeps an actor whose resources exist but are taken (other actors' CPUs, a GPU in use) pending
+for as long as they are, and the planner waits for its last change to land before the next: a
+replica the planner added that is not ready after `autoscale.start_timeout_seconds` is scaled away
+again, and its role counts as unplaceable for one cooldown (reported once), then may grow again."""
 
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class PlannerLoop:
         self.planner = Planner(limits(self.section))
         self.last: dict[str, Any] | None = None  # the latest decision that was not a plain hold
         self._task: asyncio.Task | None = None
+        self._added: dict[str, tuple[float, set[str]]] = {}  # role -> when and which replicas it last added
+        self._held: dict[str, tuple[float, str]] = {}  # role -> until when, and why, it may not grow
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -58,6 +65,7 @@ class PlannerLoop:
         while True:
             await asyncio.sleep(self.section.interval_seconds)  # the planner's interval
             try:
+                await self.give_up_unstarted(time.monotonic())
                 decision = self.planner.decide(await self.snapshot())
                 await self.apply(decision)
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
@@ -67,7 +75,7 @@ class PlannerLoop:
 
     async def snapshot(self) -> Snapshot:
         slo = await self.controller.router.slo.remote()
-        roles, actual = {}, self.actual()
+        roles, actual, now = {}, self.actual(), time.monotonic()
         for role in ROLES:
             pool = self.controller.pools[role]
             ready = [r for r in pool if r.state == ReplicaState.READY]
@@ -79,13 +87,36 @@ class PlannerLoop:
                 waiting=sum(s.get("waiting", 0) for s in stats),
                 running=sum(s.get("running", 0) for s in stats),
                 kv_usage=max((s.get("kv_cache_usage", 0.0) for s in stats), default=0.0),
-                unplaceable=self.unplaceable(role, actual[role]),
+                unplaceable=self.unplaceable(role, actual[role], now),
             )
-        return Snapshot(time.monotonic(), slo["ttft"], slo["itl"], slo["phase"], roles)
+        return Snapshot(now, slo["ttft"], slo["itl"], slo["phase"], roles)
 
-    def unplaceable(self, role: str, active: int) -> str:
+    async def give_up_unstarted(self, now: float) -> None:
+        """Scale away the replicas the planner added that are still starting `start_timeout_seconds`
+        after it asked for them; their role may not grow for a cooldown."""
+        for role, (asked_at, added) in list(self._added.items()):
+            pending = [
+                r for r in self.controller.pools[role] if r.replica_id in added and r.state == ReplicaState.STARTING
+            ]
+            if pending and now - asked_at < self.section.start_timeout_seconds:
+                continue
+            del self._added[role]
+            if not pending:
+                continue  # it landed, or left otherwise
+            names = ", ".join(f"{r.replica_id} ({r.stage})" for r in pending)
+            why = f"{names} not ready {self.section.start_timeout_seconds:.0f} s after the planner added it"
+            self._held[role] = (now + self.planner.limits.cooldown_s, why)
+            logger.warning(
+                "planner: %s; scaling it away, %s may grow again in %.0f s", why, role, self.planner.limits.cooldown_s
+            )
+            await self.controller.resize(role, self.actual()[role] - len(pending))
+
+    def unplaceable(self, role: str, active: int, now: float) -> str:
         """Why another replica of `role` cannot start ("": it can). On CPU a role's cpu_bind is
         its pool of cores: the planner starts a replica only onto an entry no replica holds."""
+        until, why = self._held.get(role, (0.0, ""))
+        if now < until:
+            return why
         cores = self.controller.config.role(role).cpu_bind
         if cores and active >= len(cores):
             return f"no free core in roles.{role}.cpu_bind ({len(cores)} entries, {active} replicas)"
@@ -119,7 +150,9 @@ class PlannerLoop:
             return
         for role, action in decision.actions:
             size = self.actual()[role]
-            await self.controller.resize(role, size + 1 if action == "add" else size - 1)
+            result = await self.controller.resize(role, size + 1 if action == "add" else size - 1)
+            if action == "add":
+                self._added[role] = (time.monotonic(), set(result["added"]))
             if action == "remove" and len(decision.actions) > 1:
                 await self._drained(role)  # a move: the budget holds while the drained one stops
 

@@ -65,16 +65,17 @@ def test_scale_refuses_what_the_cluster_yaml_refuses():
         assert controller.config.role(role).replicas == config.role(role).replicas
 
 
-def serving_decodes(count: int) -> Controller:
+def serving_decodes(count: int, config=CONFIG) -> Controller:
     """A controller whose table holds `count` ready decode replicas (no actors: nothing here
     calls one)."""
     from pdcluster.orchestrator.controller import Replica
     from pdcluster.orchestrator.engines import engine_spec
     from pdcluster.orchestrator.replicas import ReplicaState
 
-    controller = Controller(CONFIG.model_dump_json(), "secret")
+    controller = Controller(config.model_dump_json(), "secret")
     for i in range(count):
-        replica = Replica(f"decode-{i}", "decode", i, i, engine_spec(CONFIG, "decode", i, f"decode-{i}"))
+        index = next(controller._counters["decode"])  # as the controller numbers its replicas
+        replica = Replica(f"decode-{index}", "decode", index, i, engine_spec(config, "decode", i, f"decode-{index}"))
         replica.url, replica.state = f"http://127.0.0.1:{9000 + i}", ReplicaState.READY
         controller.pools["decode"].append(replica)
     controller.config.roles.decode.replicas = count
@@ -208,3 +209,59 @@ def test_the_planner_goes_on_after_an_interval_that_failed():
 
     assert asyncio.run(scenario()) is True
     assert len(decided) >= 3
+
+
+def test_a_replica_the_planner_added_that_never_starts_is_scaled_away_and_its_role_held():
+    """Ray keeps an actor whose resources exist but are taken pending for as long as they are
+    (here the replica's start never ends: Ray's scheduling stood in for), and the planner held
+    every later action "waiting for the last change to land", for good. start_timeout_seconds
+    after it added the replica, the replica is scaled away and decode counts as unplaceable (the
+    planner reports it, once) for a cooldown; after that it may grow again."""
+    import time
+
+    from pdcluster.orchestrator.autoscale import PlannerLoop
+    from pdcluster.orchestrator.planner import Decision
+    from pdcluster.orchestrator.replicas import ReplicaState
+
+    planned = validate_config(
+        {
+            "model": {"path": "models/pdcluster-tiny-code"},
+            "autoscale": {"enabled": True, "decode": {"min": 1, "max": 3}, "start_timeout_seconds": 600},
+        },
+        "test",
+    )
+
+    async def nothing(*args):
+        return {}
+
+    async def scenario():
+        controller = serving_decodes(1, planned)
+        pool = controller.pools["decode"]
+
+        async def held_by_ray(replica):
+            await asyncio.Event().wait()  # never scheduled
+
+        controller._start_replica = held_by_ray
+        controller._placement_problem = lambda role: None
+        methods = ("planner", "inflight", "update_replicas")
+        controller.router = type("Router", (), {name: _Remote(nothing) for name in methods})()
+        loop = PlannerLoop(controller)
+        await loop.apply(Decision("add_decode", "ITL p90 300 ms > 100 ms", (("decode", "add"),), {}, "decode"))
+        (added,) = [r for r in pool if r.state == ReplicaState.STARTING]
+        asked = time.monotonic()
+        await loop.give_up_unstarted(asked + 590)
+        early = (added.state, loop.unplaceable("decode", 2, asked + 590))
+        await loop.give_up_unstarted(asked + 610)
+        await added.task  # its drain
+        held = loop.unplaceable("decode", 1, asked + 620)
+        cooldown = loop.planner.limits.cooldown_s
+        return early, added, controller, held, loop.unplaceable("decode", 1, asked + 611 + cooldown)
+
+    early, added, controller, held, later = asyncio.run(scenario())
+    assert early == (ReplicaState.STARTING, "")  # before its deadline: nothing happens
+    assert added.state == ReplicaState.DEAD and added not in controller.pools["decode"]
+    assert controller.config.roles.decode.replicas == 1
+    assert held.startswith(f"{added.replica_id} (") and held.endswith(") not ready 600 s after the planner added it"), (
+        held
+    )
+    assert later == ""  # a cooldown later decode may grow again
