@@ -1,7 +1,10 @@
 """Test hosts on one machine: each a network namespace on a bridge of its own (addresses from the
 benchmarking range 198.18.0.0/15 only), with its own hostname, IPC, mount (a private /dev/shm)
 and PID namespace, so that pdcluster's node identity sees different hosts, the same-host shm path
-cannot be taken between them, and killing a host ends exactly its processes.
+cannot be taken between them, and killing a host ends exactly its processes. The bridge is a
+switch in a network namespace of its own, which this machine joins through a link of its own
+(the tests reach the hosts through it): traffic between hosts never crosses this machine's
+firewall, which on a Docker host (br_netfilter, FORWARD policy drop) would cut them off.
 
 Each host is an init process (`sleep infinity`, PID 1 of the host's PID namespace) made by
 `ip netns exec <ns> unshare ...`; commands run inside it through `nsenter` into all of its
@@ -74,7 +77,8 @@ class Host:
     name: str  # also its hostname and network namespace
     address: str
     init_pid: int  # PID 1 of its PID namespace, as this machine sees it
-    veth: str  # the bridge side of its link (down: the host is cut off)
+    veth: str  # the switch side of its link (down: the host is cut off)
+    switch: str  # the network namespace its bridge lives in
 
     def command(self, *argv: str) -> list[str]:
         """argv run inside this host (all of its namespaces). Ray's state goes in the host's own
@@ -89,7 +93,7 @@ class Host:
 
     def cut(self, down: bool = True) -> None:
         """Partition the host from the others (its link down), or heal it."""
-        _run("ip", "link", "set", self.veth, "down" if down else "up")
+        _run("ip", "-n", self.switch, "link", "set", self.veth, "down" if down else "up")
 
     def kill(self) -> None:
         """The host goes away: its init dies, and with it every process of its PID namespace."""
@@ -227,26 +231,38 @@ def keep_ray_logs(host: Host, into: Path) -> None:
         logger.warning("could not keep the Ray logs of %s: %s", host.name, exc)
 
 
+def uplink_of(switch: str) -> str:
+    """This machine's side of its link to `switch` (the other links live in the switch's and the
+    hosts' namespaces, and go with them)."""
+    return f"{switch}up"
+
+
 def _make_hosts(count: int, group: int, keep_logs: Path | None = None) -> Iterator[list[Host]]:
     tag = secrets.token_hex(2)
-    bridge = f"pdbr{tag}"
+    switch, bridge = f"pd{tag}sw", "br0"
+    uplink = uplink_of(switch)
     made_links: list[str] = []
     made_netns: list[str] = []
     inits: list[subprocess.Popen] = []
     hosts: list[Host] = []
     try:
-        _run("ip", "link", "add", bridge, "type", "bridge")
-        made_links.append(bridge)
-        _run("ip", "addr", "add", f"{SUBNET.format(group=group, host=1)}/{PREFIX}", "dev", bridge)
-        _run("ip", "link", "set", bridge, "up")
+        _run("ip", "netns", "add", switch)
+        made_netns.append(switch)
+        _run("ip", "-n", switch, "link", "add", bridge, "type", "bridge")
+        _run("ip", "-n", switch, "link", "set", bridge, "up")
+        # This machine's link to the switch, with the group's first address.
+        _run("ip", "link", "add", uplink, "type", "veth", "peer", "name", "up0", "netns", switch)
+        made_links.append(uplink)
+        _run("ip", "-n", switch, "link", "set", "up0", "master", bridge, "up")
+        _run("ip", "addr", "add", f"{SUBNET.format(group=group, host=1)}/{PREFIX}", "dev", uplink)
+        _run("ip", "link", "set", uplink, "up")
         for i in range(1, count + 1):
             name, veth = f"pd{tag}h{i}", f"pv{tag}h{i}"
             address = SUBNET.format(group=group, host=10 + i)
             _run("ip", "netns", "add", name)
             made_netns.append(name)
-            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
-            made_links.append(veth)
-            _run("ip", "link", "set", veth, "master", bridge, "up")
+            _run("ip", "-n", switch, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
+            _run("ip", "-n", switch, "link", "set", veth, "master", bridge, "up")
             _run("ip", "-n", name, "addr", "add", f"{address}/{PREFIX}", "dev", "eth0")
             _run("ip", "-n", name, "link", "set", "eth0", "up")
             _run("ip", "-n", name, "link", "set", "lo", "up")
@@ -263,7 +279,7 @@ def _make_hosts(count: int, group: int, keep_logs: Path | None = None) -> Iterat
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )  # fmt: skip
             inits.append(init)
-            host = Host(name, address, _init_pid(init), veth)
+            host = Host(name, address, _init_pid(init), veth, switch)
             hosts.append(host)
             _await_setup(host, init)
         yield hosts
