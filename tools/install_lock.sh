@@ -15,6 +15,10 @@ TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # pip warns for each configured local index folder lacking a package: noise, not a problem.
 NOISE="is ignored: it is neither a file nor a directory"
 
+# pip, its warnings about configured local index folders lacking a package left out (its exit
+# status kept: pipefail).
+quiet_pip() { "$py" -m pip "$@" 2>&1 | { grep -v "$NOISE" || true; }; }
+
 truthy() { case ${1,,} in 1 | true | yes | on) return 0 ;; *) return 1 ;; esac }
 
 # UV_FLAGS and CERT: pip's configured settings as uv's flags (each setting's value split on spaces,
@@ -39,7 +43,7 @@ read_pip_config() {
 
 with_uv() {
   [ -z "${PIP_EXTRA:-}" ] || return 1
-  "$py" -m pip install -q "uv==$UV_VERSION" 2>&1 | { grep -v "$NOISE" || true; }
+  quiet_pip install -q "uv==$UV_VERSION"
   local uv=${py%/*}/uv
   [ -x "$uv" ] || return 1
   read_pip_config
@@ -51,7 +55,7 @@ with_uv() {
 
 with_pip() {
   # shellcheck disable=SC2086 # PIP_EXTRA is a list of flags
-  "$py" -m pip install -q --no-deps ${PIP_EXTRA:-} "$@" -r "$lock" 2>&1 | { grep -v "$NOISE" || true; }
+  quiet_pip install -q --no-deps ${PIP_EXTRA:-} "$@" -r "$lock"
 }
 
 if with_uv; then

@@ -23,6 +23,14 @@ def python(host, code: str, *args: str) -> subprocess.CompletedProcess:
     return host.run(sys.executable, "-c", code, *args)
 
 
+def serving(host) -> subprocess.Popen:
+    """A server on `host`'s port 7000, listening once this returns; it accepts one connection and
+    prints where it came from."""
+    server = host.popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert server.stdout.readline().strip() == "up"
+    return server
+
+
 def test_hosts_are_different_machines_to_pdcluster_and_reach_each_other():
     with make_hosts(2) as (one, two):
         subnet = one.address.rsplit(".", 1)[0]
@@ -32,8 +40,7 @@ def test_hosts_are_different_machines_to_pdcluster_and_reach_each_other():
         assert len(ids) == 2  # not the same node: shm is never chosen between them
         one.run("sh", "-c", "echo x > /dev/shm/pdcluster-probe")
         assert two.run("ls", "/dev/shm").stdout.split() == []  # a private /dev/shm each
-        server = two.popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True, cwd=REPO)
-        assert server.stdout.readline().strip() == "up"
+        server = serving(two)
         python(one, DIAL, two.address)
         assert server.stdout.readline().strip() == one.address  # it came from host one's address
         server.wait(10)
@@ -100,14 +107,12 @@ def test_hosts_reach_each_other_where_this_machine_drops_forwarded_traffic():
         drop = ["ip", "saddr", "198.18.0.0/15", "ip", "daddr", "198.18.0.0/15", "counter", "drop"]
         subprocess.run(["nft", "add", "rule", "inet", table, "pdfwd", *drop], check=True, timeout=30)
         with make_hosts(2) as (one, two):
-            server = two.popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True, cwd=REPO)
-            assert server.stdout.readline().strip() == "up"
+            server = serving(two)
             dialed = one.run(sys.executable, "-c", DIAL, two.address, check=False)
             assert dialed.returncode == 0, dialed.stderr  # host to host
             assert server.stdout.readline().strip() == one.address
             server.wait(10)
-            server = two.popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True, cwd=REPO)
-            assert server.stdout.readline().strip() == "up"
+            server = serving(two)
             subprocess.run([sys.executable, "-c", DIAL, two.address], check=True, timeout=30)  # this machine
             server.wait(10)
     finally:
