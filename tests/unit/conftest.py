@@ -1,5 +1,6 @@
-"""Fixtures the router's unit tests share: each scenario runs on asyncio's event loop and on
-uvloop's (Ray's actors run the router on uvloop)."""
+"""Fixtures unit tests share. The router's: each scenario runs on asyncio's event loop and on
+uvloop's (Ray's actors run the router on uvloop). The transports': a producer in another process
+(kv_producer.py), one per test module."""
 
 from __future__ import annotations
 
@@ -46,3 +47,12 @@ def serve(run):
         return response, lines
 
     return serve
+
+
+@pytest.fixture(scope="module")
+def producer_process():
+    """(address, control pipe) of a producer process serving the seeded requests (kv_producer.py)."""
+    from tests.unit.kv_producer import running_producer
+
+    with running_producer() as producer:
+        yield producer

@@ -3,8 +3,8 @@ test_mooncake.py).
 
 A spawned producer process serves a cache with leased requests over one control server that
 offers every backend; this process pulls through the real clients into its own cache. shm moves
-bytes through /dev/shm (ring) or cross-process copies (direct); collective through a real gloo
-pair group built on first use.
+bytes through /dev/shm (ring) or cross-process copies (direct: its fences and early reads in
+test_direct_shm.py); collective through a real gloo pair group built on first use.
 """
 
 from __future__ import annotations
@@ -20,24 +20,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdcluster.errors import AuthenticationError, KVTransferError, LeaseNotFoundError
+from pdcluster.errors import AuthenticationError, LeaseNotFoundError
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
 from pdcluster.kv_transfer.staging import BlockScatterer
 from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.segments import SHM_DIR, owner_prefix
-from pdcluster.kv_transfer.transports.shm import ONE_SIDED_MARGIN_S
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.support.engines import REPO
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, pull, running_producer, settings
-
-
-@pytest.fixture(scope="module")
-def producer_process():
-    with running_producer() as producer:
-        yield producer
 
 
 @pytest.mark.parametrize(("backend", "direct"), [("shm", True), ("shm", False), ("collective", False)])
@@ -48,182 +41,6 @@ def test_pull_copies_blocks_exactly(producer_process, backend, direct, request_i
     consumer, nbytes = pull(backend, address, request_id, dst_ids, direct=direct)
     assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
     assert_copied(consumer, request_id, dst_ids)
-
-
-def test_direct_pulls_after_the_first_read_early_and_survive_a_stale_peer(producer_process):
-    """From the second direct pull on, the consumer copies its half before the producer's notice
-    arrives; a notice that disagrees with what that copy used (here: addresses made stale)
-    makes the pull read again, so the blocks still arrive exactly."""
-    address, _ = producer_process
-    consumer = make_cache(fill="zeros")
-    client = create_transport("shm", settings()).connect(address)
-    early = []
-    real = client._read_early
-    client._read_early = lambda *args: early.append(real(*args)) or early[-1]
-    try:
-        client.handshake(consumer.layout, "decode-0")
-        scatterer = BlockScatterer(consumer, CHUNK)
-        for request_id, stale in (("req-a", False), ("req-b", False), ("req-c", True)):
-            dst_ids = [50 - i for i in range(len(REQUESTS[request_id]))]
-            if stale:
-                peer = client._peer
-                client._peer = pb.ShmChunk(
-                    pid=peer.pid,
-                    layer_addresses=[a + 2 * consumer.block_bytes[0] for a in peer.layer_addresses],
-                    push_from_layer=peer.push_from_layer,
-                )
-            scatterer.begin(dst_ids)
-            client.pull(request_id, REQUESTS[request_id], CacheSink(scatterer), engine_id="decode-0", timeout_s=20)
-            assert_copied(consumer, request_id, dst_ids)
-    finally:
-        client.close()
-    assert early[0] is None and early[1] is not None and early[2] is not None
-    assert client._peer.layer_addresses != early[2].note.layer_addresses  # the stale copy was redone
-
-
-def test_a_live_lease_is_read_without_asking_the_producer(producer_process):
-    """Once a direct pull told the consumer the producer's addresses, a pull given its lease's
-    expiry (well ahead) reads every layer itself: it makes no call to the producer, and the
-    bytes arrive exactly. A lease within ONE_SIDED_MARGIN_S of its end, an unknown expiry, a
-    process other than the one of the last notice, or one_sided_reads off go through the
-    producer."""
-    address, _ = producer_process
-    consumer = make_cache(fill="zeros")
-    clients = [create_transport("shm", settings(one_sided_reads=on)).connect(address) for on in (True, False)]
-    asked = [0, 0]  # ShmPull calls per client: the producer asked to hold the lease
-
-    def counted(index, call):
-        def ask(*args, **kwargs):
-            asked[index] += 1
-            return call(*args, **kwargs)
-
-        return ask
-
-    for index, client in enumerate(clients):
-        client._shm_pull = counted(index, client._shm_pull)
-    try:
-        for client in clients:
-            client.handshake(consumer.layout, "decode-0")
-        scatterer = BlockScatterer(consumer, CHUNK)
-        ahead, near = time.time() + 600, time.time() + ONE_SIDED_MARGIN_S / 2
-        steps = [  # (client, request, lease expiry, a stale notice's pid, served by the producer)
-            (0, "req-a", ahead, 0, True),  # the first pull learns the producer's addresses
-            (0, "req-b", ahead, 0, False),
-            (0, "req-c", near, 0, True),
-            (0, "req-a", 0.0, 0, True),
-            (0, "req-b", ahead, os.getpid(), True),  # a notice naming another process
-            (0, "req-c", ahead, 0, False),  # ...replaced by the producer's next notice
-            (1, "req-a", ahead, 0, True),
-            (1, "req-b", ahead, 0, True),
-        ]
-        for index, request_id, expiry, stale_pid, by_producer in steps:
-            client = clients[index]
-            if stale_pid:
-                client._peer = pb.ShmChunk(
-                    pid=stale_pid, layer_addresses=client._peer.layer_addresses, push_from_layer=1
-                )
-            dst_ids = [50 - i for i in range(len(REQUESTS[request_id]))]
-            consumer.tensors[0].zero_()
-            before, sink = asked[index], CacheSink(scatterer)
-            scatterer.begin(dst_ids)
-            nbytes = client.pull(
-                request_id,
-                REQUESTS[request_id],
-                sink,
-                engine_id="decode-0",
-                timeout_s=20,
-                lease_expiry=expiry,
-            )
-            assert nbytes == len(dst_ids) * consumer.layout.bytes_per_block()
-            assert_copied(consumer, request_id, dst_ids)
-            assert (asked[index] - before, sink.one_sided) == ((1, False) if by_producer else (0, True)), (
-                index,
-                request_id,
-            )
-    finally:
-        for client in clients:
-            client.close()
-
-
-def test_first_direct_pulls_at_once_register_once_and_stay_direct(producer_process):
-    """A consumer's first pulls from a producer often start together (its pull threads, a
-    request admitted ahead of its prefill). They register its cache once: a second registration
-    replaced the first one, whose proof connection then closed, so the producer forgot the
-    registration a pull in flight had named, refused it, and that consumer copied every later
-    pull through the shared-memory ring (~10x slower per pull, on the producer's core)."""
-    from concurrent.futures import ThreadPoolExecutor
-    from threading import Barrier
-
-    address, _ = producer_process
-    plans = {"req-a": [40, 41, 42, 43, 44], "req-b": list(range(0, 20)), "req-c": [60, 61]}
-
-    def first_pulls_at_once(client, consumer) -> None:
-        start = Barrier(len(plans))
-
-        def one(request_id):
-            scatterer = BlockScatterer(consumer, CHUNK)
-            scatterer.begin(plans[request_id])
-            start.wait()
-            client.pull(request_id, REQUESTS[request_id], CacheSink(scatterer), engine_id="decode-0", timeout_s=20)
-
-        with ThreadPoolExecutor(len(plans)) as pool:
-            list(pool.map(one, plans))
-
-    for _ in range(3):  # a fresh consumer each round: its first pulls race to register
-        consumer = make_cache(fill="zeros")
-        client = create_transport("shm", settings()).connect(address)
-        try:
-            client.handshake(consumer.layout, "decode-0")
-            first_pulls_at_once(client, consumer)
-            assert client.direct, "a direct pull was refused: the consumer fell back to the ring"
-        finally:
-            client.close()
-        for request_id, dst_ids in plans.items():
-            assert_copied(consumer, request_id, dst_ids)
-
-
-def test_a_registration_beside_a_new_session_does_not_deadlock(producer_process):
-    """A consumer's first direct pull registers its cache while another thread opens a new
-    session (the producer restarted), whose hooks forget the registration. The registration took
-    its own lock and then the session's; the new session held the session's lock and waited for
-    the registration's: both threads stopped for good, and with them every later pull."""
-    import threading
-
-    address, _ = producer_process
-    consumer = make_cache(fill="zeros")
-    client = create_transport("shm", settings()).connect(address)
-    client.handshake(consumer.layout, "decode-0")
-    in_hooks, registering = threading.Event(), threading.Event()
-
-    def first_hook() -> None:  # runs first among the new session's hooks, under its lock
-        in_hooks.set()
-        registering.wait(timeout=2)  # the registration, if it can get this far meanwhile
-
-    class RegisteringSink(CacheSink):
-        def host_regions(self):  # read by the registration, under its lock
-            registering.set()
-            return super().host_regions()
-
-    def first_pull() -> None:
-        in_hooks.wait(timeout=20)
-        scatterer = BlockScatterer(consumer, CHUNK)
-        scatterer.begin([40, 41, 42, 43, 44])
-        client.pull("req-a", REQUESTS["req-a"], RegisteringSink(scatterer), engine_id="decode-0", timeout_s=20)
-
-    client.control.on_new_session.insert(0, first_hook)
-    with client.control._lock:
-        client.control._session = None  # what StaleSessionError does (rpc.ControlChannel.call)
-    threads = [threading.Thread(target=client.control.session, daemon=True), threading.Thread(target=first_pull, daemon=True)]  # fmt: skip
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not any(thread.is_alive() for thread in threads), "the registration and the new session deadlocked"
-    try:
-        assert registering.is_set() and client.direct
-        assert_copied(consumer, "req-a", [40, 41, 42, 43, 44])
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("backend", ["shm", "collective"])
@@ -245,37 +62,6 @@ def test_a_pull_after_the_producer_forgot_our_session_goes_as_before(producer_pr
             control.send("forget")
             assert control.recv() == "forgot"
         assert backend != "shm" or client.direct  # still direct: the registration went anew
-    finally:
-        client.close()
-
-
-def test_no_one_sided_read_from_a_producer_that_exited():
-    """The producer's process exited (its pidfd tells): a pull of a lease still far from its
-    expiry is not read out of whatever now has its pid; it fails through the producer."""
-    consumer = make_cache(fill="zeros")
-    scatterer = BlockScatterer(consumer, CHUNK)
-
-    sinks: list[CacheSink] = []
-
-    def pull(request_id: str, dst_ids: list[int]) -> int:
-        scatterer.begin(dst_ids)
-        sink = CacheSink(scatterer)
-        sinks.append(sink)
-        ahead = time.time() + 600
-        return client.pull(
-            request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=5, lease_expiry=ahead
-        )
-
-    with running_producer() as (address, _):
-        client = create_transport("shm", settings(connect_timeout_seconds=2)).connect(address)
-        client.handshake(consumer.layout, "decode-0")
-        pull("req-a", [5, 6, 7, 8, 9])
-        pull("req-b", list(range(40, 60)))
-        assert [sink.one_sided for sink in sinks] == [False, True]
-    try:
-        with pytest.raises(KVTransferError):
-            pull("req-c", [1, 2])
-        assert not sinks[-1].one_sided
     finally:
         client.close()
 
@@ -345,42 +131,6 @@ def test_collective_pulls_of_different_consumers_at_once_each_get_their_own_byte
     finally:
         for client in clients.values():
             client.close()
-
-
-@pytest.fixture(scope="module")
-def slow_pusher():
-    """A producer whose direct pushes stall mid-pull (after its notice, before its write)."""
-    with running_producer(fault_injection={"push_delay_s": 1.0}) as producer:
-        yield producer
-
-
-@pytest.mark.parametrize("failure", ["consumer error", "deadline"])
-def test_a_direct_pull_failing_mid_push_is_reported_only_after_the_push_ended(slow_pusher, failure):
-    """vLLM hands a failed pull's blocks to another request: the consumer must not report the
-    failure while the producer may still write into them. Whether the consumer's own half fails
-    or its deadline passes, pull() raises only after the producer's write window closed."""
-    address, conn = slow_pusher
-    consumer = make_cache(fill="zeros")
-    client = create_transport("shm", settings()).connect(address)
-    try:
-        client.handshake(consumer.layout, "decode-0")
-        scatterer = BlockScatterer(consumer, CHUNK)
-        scatterer.begin([0, 1])
-
-        def fail(chunk):
-            raise KVTransferError("the consumer's half failed")
-
-        sink = CacheSink(scatterer, fail if failure == "consumer error" else None)
-        timeout_s = 20 if failure == "consumer error" else 0.3
-        reason = "half failed" if failure == "consumer error" else r"deadline: the producer's notice .* push ended"
-        with pytest.raises(KVTransferError, match=reason):
-            client.pull("req-c", REQUESTS["req-c"], sink, engine_id="decode-0", timeout_s=timeout_s)
-        raised_at = time.monotonic()
-    finally:
-        client.close()
-    conn.send("pushes")
-    running, window_closed = conn.recv()
-    assert running == 0 and 0 < window_closed <= raised_at
 
 
 @pytest.mark.parametrize("backend", ["shm", "collective"])
