@@ -189,20 +189,22 @@ class HandoutsResponse(_message.Message):
     def __init__(self, handouts: _Optional[_Iterable[_Union[Handout, _Mapping]]] = ...) -> None: ...
 
 class ShmPullRequest(_message.Message):
-    __slots__ = ("pull", "consumed", "direct", "pid", "block_ids", "registration")
+    __slots__ = ("pull", "consumed", "direct", "pid", "block_ids", "registration", "deadline_ms")
     PULL_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     pull: PullRequest
     consumed: int
     direct: bool
     pid: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     registration: str
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., consumed: _Optional[int] = ..., direct: _Optional[bool] = ..., pid: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., registration: _Optional[str] = ...) -> None: ...
+    deadline_ms: int
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., consumed: _Optional[int] = ..., direct: _Optional[bool] = ..., pid: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., registration: _Optional[str] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("address", "nbytes", "row_bytes")

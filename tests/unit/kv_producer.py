@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from pdcluster.errors import KVTransferError
 from pdcluster.kv_transfer.faults import FaultInjector
 from pdcluster.kv_transfer.producer import KVProducer
 from pdcluster.kv_transfer.settings import KVTransferSettings
@@ -81,6 +82,8 @@ def producer_main(
             conn.send(sorted(lease.request_id for lease in producer.leases.collect_finished()))
         elif command == "pushes":  # (direct pushes running, monotonic end of the last one)
             conn.send((shm.pushing, shm.last_push_end))
+        elif command == "pulling":  # the pulls in progress, by request
+            conn.send({lease.request_id: lease.active_pulls for lease in list(producer.leases._leases.values())})
         elif command == "forget":  # every consumer's session, as a restart (or eviction) does
             with server.auth._lock:
                 server.auth._sessions.clear()
@@ -97,7 +100,7 @@ def running_producer(
     collective_without_done: bool = False,
     **overrides,
 ) -> Iterator[tuple[str, object]]:
-    """(the producer's address, a pipe to ask it "segments", "released" or "pushes"); `overrides`:
+    """(the producer's address, a pipe to ask it "segments", "released", "pushes" or "pulling"); `overrides`:
     its KV settings (fault injection); `backends`: what its server offers; `port`: its port (0:
     any free one); `strided`: its cache's layers are not contiguous rows (make_cache);
     `collective_without_done`: its collective pulls end without their last message."""
@@ -141,3 +144,22 @@ def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool, 
     finally:
         client.close()
     return consumer, nbytes
+
+
+def consumer_main(conn, address: str, request_id: str, dst_ids: list[int], timeout_s: float) -> None:
+    """A consumer in another process (one a test can stop): one direct pull of `request_id` into
+    a zeroed cache; sends ("pulled", bytes) or ("failed", the error)."""
+    consumer = make_cache(fill="zeros")
+    client = create_transport("shm", settings()).connect(address)
+    try:
+        client.handshake(consumer.layout, "decode-0")
+        scatterer = BlockScatterer(consumer, CHUNK)
+        scatterer.begin(dst_ids)
+        nbytes = client.pull(
+            request_id, REQUESTS[request_id], CacheSink(scatterer), engine_id="decode-0", timeout_s=timeout_s
+        )
+        conn.send(("pulled", nbytes))
+    except KVTransferError as exc:
+        conn.send(("failed", str(exc)))
+    finally:
+        client.close()

@@ -9,7 +9,9 @@ pulls through the real client into its own cache.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import signal
 import time
 
 import pytest
@@ -20,8 +22,9 @@ from pdcluster.kv_transfer.transports import create_transport
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.shm import ONE_SIDED_MARGIN_S
 from pdcluster.protos import kv_transfer_pb2 as pb
+from tests.support.handoff import wait_for
 from tests.unit.kv_fixtures import make_cache
-from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, running_producer, settings
+from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, consumer_main, running_producer, settings
 
 
 def test_direct_pulls_after_the_first_read_early_and_survive_a_stale_peer(producer_process):
@@ -231,10 +234,13 @@ def test_no_one_sided_read_from_a_producer_that_exited():
         client.close()
 
 
+PUSH_DELAY_S = 2.0
+
+
 @pytest.fixture(scope="module")
 def slow_pusher():
     """A producer whose direct pushes stall mid-pull (after its notice, before its write)."""
-    with running_producer(fault_injection={"push_delay_s": 1.0}) as producer:
+    with running_producer(fault_injection={"push_delay_s": PUSH_DELAY_S}) as producer:
         yield producer
 
 
@@ -265,3 +271,39 @@ def test_a_direct_pull_failing_mid_push_is_reported_only_after_the_push_ended(sl
     conn.send("pushes")
     running, window_closed = conn.recv()
     assert running == 0 and 0 < window_closed <= raised_at
+
+
+def test_a_consumer_stopped_mid_pull_does_not_hold_the_lease_for_good(slow_pusher):
+    """A direct pull's producer holds the lease until the consumer says it has read its half: a
+    consumer process stopped mid-pull (SIGSTOP: its call stays open, it says nothing, it cannot
+    half-close at its deadline) held the lease's blocks, and a server thread, for as long as it
+    stayed stopped. The producer now waits for its word only past the deadline the consumer sent;
+    the consumer, resumed, accepts none of its reads that ended after that deadline."""
+    address, conn = slow_pusher
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    consumer = ctx.Process(target=consumer_main, args=(child, address, "req-b", list(range(40, 60)), 4.0))
+    consumer.start()
+    try:
+
+        def pushing() -> bool:
+            conn.send("pushes")
+            return conn.recv()[0] == 1
+
+        wait_for(pushing, 60, "the producer to begin its push")  # it stalls PUSH_DELAY_S in it
+        os.kill(consumer.pid, signal.SIGSTOP)
+
+        def lease_free() -> bool:
+            conn.send("pulling")
+            return conn.recv()["req-b"] == 0
+
+        wait_for(lease_free, 30, "the producer to stop holding the lease for the stopped consumer")
+        os.kill(consumer.pid, signal.SIGCONT)
+        assert parent.poll(60), "the resumed consumer did not finish its pull"
+        outcome, detail = parent.recv()
+        assert outcome == "failed" and "deadline" in detail, (outcome, detail)
+    finally:
+        os.kill(consumer.pid, signal.SIGCONT)
+        consumer.join(30)
+        if consumer.is_alive():
+            consumer.kill()

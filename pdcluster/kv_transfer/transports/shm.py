@@ -33,6 +33,7 @@ to another request while the producer still writes into them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import socket
@@ -265,6 +266,9 @@ class ShmClient(GrpcClient):
         # A new session (the producer forgot ours: call() retries on one) forgets our
         # registration before it is sent, not after (the producer would refuse the old one)
         self.control.session()
+        # Before the call begins: the producer's own count of our deadline (deadline_ms) starts
+        # later, so its lease hold outlasts every read we accept (checked after the last one).
+        began, noticed = time.monotonic(), 0.0  # when the pull began, and the producer's notice came
         outbox: queue.SimpleQueue[pb.ShmPullRequest | None] = queue.SimpleQueue()
         if rows is None:
             outbox.put(pb.ShmPullRequest(pull=request))
@@ -277,6 +281,7 @@ class ShmClient(GrpcClient):
                     pid=os.getpid(),
                     registration=self._register(sink),
                     block_ids=sink.block_ids,
+                    deadline_ms=math.ceil(timeout_s * 1000),
                 )
             )
 
@@ -295,7 +300,6 @@ class ShmClient(GrpcClient):
         )
         expired = threading.Event()
         timer = threading.Timer(timeout_s, lambda: (expired.set(), outbox.put(None)))
-        began, noticed = time.monotonic(), 0.0  # when the call began, and the producer's notice came
 
         def late(stage: str) -> TransferTimeoutError:
             return TransferTimeoutError(
@@ -338,6 +342,13 @@ class ShmClient(GrpcClient):
                                 f"its push ended after {time.monotonic() - began:.1f} s"
                             )
                         received += direct.finish(note.pushed_layers)
+                        if time.monotonic() - began > timeout_s:
+                            # Our reads may have run past the producer's hold of the lease (it
+                            # waits for our word only until our deadline): what they copied may
+                            # be another request's. (A process stopped mid-read, then resumed.)
+                            raise late(
+                                f"our reads of the producer's cache ended after {time.monotonic() - began:.1f} s"
+                            )
                         outbox.put(pb.ShmPullRequest(consumed=1))
                         # Every byte is in: no need to wait for the producer to end the call.
                         self._settle(call)

@@ -51,6 +51,15 @@ class _ConsumerGone(Exception):
     pass
 
 
+class _ConsumerSilent(_ConsumerGone):
+    """The consumer's call is open but it said nothing by its own deadline (a stopped process)."""
+
+
+# What the producer waits for a direct pull's consumer beyond the deadline the consumer sent:
+# both count on this host's monotonic clock, from points a call's setup apart.
+DIRECT_HOLD_MARGIN_S = 1.0
+
+
 class _Consumed:
     """How many chunks the consumer has copied out, read from its side of the ShmPull stream."""
 
@@ -89,11 +98,14 @@ class _Watched(_Consumed):
                 self.gone = True
                 self._cond.notify_all()
 
-    def wait_for(self, count: int) -> None:
+    def wait_for(self, count: int, until: float | None = None) -> None:
+        """Until the consumer confirmed `count` chunks; _ConsumerGone once it left, _ConsumerSilent
+        at `until` (monotonic; None: no bound) with its call still open."""
+        timeout = None if until is None else max(0.0, until - time.monotonic())
         with self._cond:
-            self._cond.wait_for(lambda: self.count >= count or self.gone)
+            self._cond.wait_for(lambda: self.count >= count or self.gone, timeout)
             if self.count < count:
-                raise _ConsumerGone
+                raise _ConsumerGone if self.gone else _ConsumerSilent
 
 
 class ShmExtension(ServerExtension):
@@ -160,11 +172,19 @@ class ShmExtension(ServerExtension):
         pull = first.pull
         if first.direct:
             began = time.monotonic()
-            consumed: _Consumed = _Watched(requests)
+            consumed = _Watched(requests)
             destination = self._destination(first, session, context)
+            until = began + first.deadline_ms / 1000 + DIRECT_HOLD_MARGIN_S if first.deadline_ms else None
             with pull_errors_abort(context):
                 try:
-                    yield from self._serve_direct(first, destination, consumed)
+                    yield from self._serve_direct(first, destination, consumed, until)
+                except _ConsumerSilent:
+                    message = (
+                        f"the consumer of the direct shm pull of {pull.request_id} said nothing within its "
+                        f"{first.deadline_ms / 1000:g} s deadline; the lease is no longer held for it"
+                    )
+                    logger.warning("%s", message)
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
                 except _ConsumerGone:
                     logger.warning(
                         "consumer left the direct shm pull of %s %.1f s after it began",
@@ -225,12 +245,18 @@ class ShmExtension(ServerExtension):
             raise
 
     def _serve_direct(
-        self, first: pb.ShmPullRequest, destination: tuple[peers.Registration, list[int]], consumed: _Watched
+        self,
+        first: pb.ShmPullRequest,
+        destination: tuple[peers.Registration, list[int]],
+        consumed: _Watched,
+        until: float | None,
     ) -> Iterator[pb.ShmChunk]:
         """Hold the lease while the blocks move directly between the two caches: we push the
         upper half of the layers, the consumer reads the lower half itself. The consumer waits
         for this call to end before it gives up on the pull (its fence, ShmClient); we write
-        nothing once it has half-closed its side."""
+        nothing once it has half-closed its side, and hold the lease for its word (its half read)
+        only until `until`, past the deadline it sent: a consumer that said nothing by then (its
+        process stopped) accepts none of the reads it may still make."""
         pull = first.pull
         assert self._addresses is not None
         registration, addresses = destination
@@ -266,7 +292,7 @@ class ShmExtension(ServerExtension):
                     self.pushing -= 1
                     self.last_push_end = time.monotonic()
             yield pb.ShmChunk(pushed=True, pushed_layers=pushed)
-            consumed.wait_for(1)
+            consumed.wait_for(1, until)
             self.producer.count_sent(len(pull.block_ids) * self.producer.layout.bytes_per_block())
 
     def close(self) -> None:
