@@ -109,7 +109,8 @@ class PlannerLoop:
             logger.warning(
                 "planner: %s; scaling it away, %s may grow again in %.0f s", why, role, self.planner.limits.cooldown_s
             )
-            await self.controller.resize(role, self.actual()[role] - len(pending))
+            # These replicas, not the newest starting ones (a replacement started since may be newer).
+            await self.controller.resize(role, self.actual()[role] - len(pending), {r.replica_id for r in pending})
 
     def unplaceable(self, role: str, active: int, now: float) -> str:
         """Why another replica of `role` cannot start ("": it can). On CPU a role's cpu_bind is

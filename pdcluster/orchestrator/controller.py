@@ -19,21 +19,20 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 from pydantic import ValidationError
 
 from pdcluster.config import ClusterConfig, RoleName
-from pdcluster.engine.spec import EngineSpec
 from pdcluster.errors import ConfigError, format_errors, one_line
 from pdcluster.keys import engine_http_token
 from pdcluster.logs import WarnOnce, setup_logging
 from pdcluster.orchestrator.autoscale import PlannerLoop
 from pdcluster.orchestrator.engines import engine_spec, generation_defaults, worker_class
 from pdcluster.orchestrator.placement import actor_options, demand, orchestrator_options, unplaceable
-from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, Health, RestartBudget, missing_slots
-from pdcluster.orchestrator.replicas import ReplicaState
+from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, RestartBudget, missing_slots
+from pdcluster.orchestrator.replicas import Replica, ReplicaState
 from pdcluster.orchestrator.status import replica_row, retired_row
 
 logger = logging.getLogger(__name__)
@@ -44,43 +43,6 @@ INFO_TIMEOUT_S = 10.0
 
 # The router's answers `status` shows (RouterActor methods).
 ROUTER_VIEW = ("latency", "inflight", "rss_bytes", "route_decisions", "cache_index")
-
-
-@dataclass
-class Replica:
-    replica_id: str
-    role: RoleName
-    index: int
-    slot: int  # its place among the role's replicas (reconcile.py): a replacement takes it over
-    spec: EngineSpec
-    state: ReplicaState = ReplicaState.STARTING
-    stage: str = "pending"
-    actor: Any = None
-    url: str | None = None
-    node: str = ""
-    error: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
-    ready_at: float | None = None
-    health: Health = field(default_factory=Health)
-    task: asyncio.Task | None = None
-    transitions: list[tuple[float, str]] = field(default_factory=list)
-
-    def set_state(self, state: ReplicaState) -> None:
-        if state != self.state or not self.transitions:
-            self.transitions.append((time.time(), state.label))
-        self.state = state
-
-    def router_row(self) -> dict[str, Any]:
-        return {
-            "replica_id": self.replica_id,
-            "role": self.role,
-            "url": self.url or "",
-            "state": int(self.state),
-            "node": self.node,
-            "stats": (self.info or {}).get("stats") or {},
-            "rss_bytes": (self.info or {}).get("rss_bytes"),
-        }
 
 
 class Controller:
@@ -222,44 +184,60 @@ class Controller:
         self._changed.set()
 
     async def _monitor_loop(self) -> None:
+        """Check every replica, refill empty slots and tell the router, each second. Nobody awaits
+        this task: a pass that fails (a GCS hiccup raising from ray.nodes(), a replica's odd
+        answer) is logged and the next one runs; one that ended the task ended every health
+        check and restart for good, silently."""
+        while not self._stopping:
+            try:
+                await self._monitor_once()
+            except Exception:  # noqa: BLE001 - the monitor must outlive any one pass
+                logger.exception("health monitor pass failed; the next one runs in %.0f s", MONITOR_INTERVAL_S)
+            await asyncio.sleep(MONITOR_INTERVAL_S)  # polling interval of the health monitor
+
+    async def _monitor_once(self) -> None:
         import ray
 
-        while not self._stopping:
-            live = [
-                r
-                for pool in self.pools.values()
-                for r in pool
-                if r.state in (ReplicaState.READY, ReplicaState.DRAINING)
-            ]
-            refs = [r.actor.info.remote() for r in live]
-            for replica, ref in zip(live, refs):
-                try:
-                    async with asyncio.timeout(INFO_TIMEOUT_S):
-                        replica.info = await ref
-                    problem = None if replica.info.get("healthy", True) else "engine died"
-                    replica.health.checked(True)
-                except ray.exceptions.RayActorError as exc:
-                    problem = f"unreachable: {type(exc).__name__}"  # its actor is gone
-                except asyncio.TimeoutError:
-                    # One slow answer is not a death: only HEALTH_FAILURES in a row.
-                    dead = replica.health.checked(False)
-                    problem = f"{HEALTH_FAILURES} health checks unanswered in {INFO_TIMEOUT_S:.0f} s" if dead else None
-                if problem and replica.state == ReplicaState.READY:
-                    replica.error = problem
-                    replica.stage = "dead"
-                    replica.set_state(ReplicaState.DEAD)
-                    logger.error("replica %s is dead: %s", replica.replica_id, problem)
-                    self._replace(replica)
-                elif problem and replica.state == ReplicaState.DRAINING and replica.actor is not None:
-                    # nothing left to drain: its drain (_drain_and_stop) ends now, not at its deadline
-                    replica.error = problem
-                    logger.warning("draining replica %s is dead: %s", replica.replica_id, problem)
-                    ray.kill(replica.actor, no_restart=True)
-                    replica.actor = None
-            self._reconcile()
-            await self._publish()
-            self._changed.clear()
-            await asyncio.sleep(MONITOR_INTERVAL_S)  # polling interval of the health monitor
+        live = [
+            r
+            for pool in self.pools.values()
+            for r in pool
+            # (a draining replica found dead has no actor left: its drain retires it)
+            if r.state in (ReplicaState.READY, ReplicaState.DRAINING) and r.actor is not None
+        ]
+        refs = [r.actor.info.remote() for r in live]
+        for replica, ref in zip(live, refs):
+            try:
+                async with asyncio.timeout(INFO_TIMEOUT_S):
+                    replica.info = await ref
+                problem = None if replica.info.get("healthy", True) else "engine died"
+                replica.health.checked(True)
+            except ray.exceptions.ActorUnavailableError as exc:
+                # Ray's "temporarily unavailable" (a connection to its node broke), not a death:
+                # counted as an unanswered check (a RayActorError subclass, so caught first).
+                dead = replica.health.checked(False)
+                problem = f"{HEALTH_FAILURES} health checks failed, the last: {one_line(exc, 200)}" if dead else None
+            except ray.exceptions.RayActorError as exc:
+                problem = f"unreachable: {type(exc).__name__}"  # its actor is gone
+            except asyncio.TimeoutError:
+                # One slow answer is not a death: only HEALTH_FAILURES in a row.
+                dead = replica.health.checked(False)
+                problem = f"{HEALTH_FAILURES} health checks unanswered in {INFO_TIMEOUT_S:.0f} s" if dead else None
+            if problem and replica.state == ReplicaState.READY:
+                replica.error = problem
+                replica.stage = "dead"
+                replica.set_state(ReplicaState.DEAD)
+                logger.error("replica %s is dead: %s", replica.replica_id, problem)
+                self._replace(replica)
+            elif problem and replica.state == ReplicaState.DRAINING and replica.actor is not None:
+                # nothing left to drain: its drain (_drain_and_stop) ends now, not at its deadline
+                replica.error = problem
+                logger.warning("draining replica %s is dead: %s", replica.replica_id, problem)
+                ray.kill(replica.actor, no_restart=True)
+                replica.actor = None
+        self._reconcile()
+        await self._publish()
+        self._changed.clear()
 
     def _replace(self, dead: Replica) -> None:
         """A serving replica died: retire it (its actor is killed); the next reconcile refills
@@ -355,8 +333,9 @@ class Controller:
             raise ConfigError(f"scale {role} {replicas}: " + "; ".join(format_errors(exc))) from None
         return await self.resize(role, replicas)
 
-    async def resize(self, role: RoleName, replicas: int) -> dict[str, Any]:
-        """Set `role`'s replica count (the planner's steps stay within its bounds)."""
+    async def resize(self, role: RoleName, replicas: int, drain_first: Collection[str] = ()) -> dict[str, Any]:
+        """Set `role`'s replica count (the planner's steps stay within its bounds); a smaller one
+        drains the replicas named in `drain_first` before any other."""
         async with self._lock:
             # the replica loads first: no await between choosing the replicas to drain and draining them
             inflight = await self._inflight()
@@ -368,8 +347,15 @@ class Controller:
                 self._reconcile()
                 added = [r.replica_id for r in self.pools[role] if r.replica_id not in before]
             if replicas < len(active):
-                # Drop starting replicas first, then the least loaded ready ones.
-                active.sort(key=lambda r: (r.state != ReplicaState.STARTING, inflight.get(r.replica_id, 0), -r.index))
+                # Drop those named, then starting replicas, then the least loaded ready ones.
+                active.sort(
+                    key=lambda r: (
+                        r.replica_id not in drain_first,
+                        r.state != ReplicaState.STARTING,
+                        inflight.get(r.replica_id, 0),
+                        -r.index,
+                    )
+                )
                 for replica in active[: len(active) - replicas]:
                     self._budget.forget((role, replica.slot))  # scaled away: not a restart when refilled
                     draining.append(replica.replica_id)
@@ -405,8 +391,10 @@ class Controller:
                     await replica.actor.shutdown.remote()
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("replica %s did not shut down cleanly: %s", replica.replica_id, exc)
-            ray.kill(replica.actor, no_restart=True)
-            replica.actor = None
+            # The monitor may have found it dead meanwhile, and killed it already.
+            if replica.actor is not None:
+                ray.kill(replica.actor, no_restart=True)
+                replica.actor = None
         replica.stage = "stopped"
         replica.set_state(ReplicaState.DEAD)
         pool = self.pools[replica.role]

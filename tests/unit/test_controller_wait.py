@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 
@@ -68,9 +69,8 @@ def test_scale_refuses_what_the_cluster_yaml_refuses():
 def serving_decodes(count: int, config=CONFIG) -> Controller:
     """A controller whose table holds `count` ready decode replicas (no actors: nothing here
     calls one)."""
-    from pdcluster.orchestrator.controller import Replica
     from pdcluster.orchestrator.engines import engine_spec
-    from pdcluster.orchestrator.replicas import ReplicaState
+    from pdcluster.orchestrator.replicas import Replica, ReplicaState
 
     controller = Controller(config.model_dump_json(), "secret")
     for i in range(count):
@@ -265,3 +265,169 @@ def test_a_replica_the_planner_added_that_never_starts_is_scaled_away_and_its_ro
         held
     )
     assert later == ""  # a cooldown later decode may grow again
+
+
+def test_the_planner_scales_away_its_own_unstarted_replica_not_a_newer_replacement():
+    """The planner's replica never starts; meanwhile a serving replica dies and its replacement
+    is still starting when the start timeout passes. The planner asked to drain "one fewer", and
+    resize chose the newest starting replica: the replacement went, the planner's stayed pending
+    and was never given up again (its record gone), and the planner waited on it for good."""
+    import time
+
+    from pdcluster.orchestrator.autoscale import PlannerLoop
+    from pdcluster.orchestrator.planner import Decision
+    from pdcluster.orchestrator.replicas import ReplicaState
+
+    planned = validate_config(
+        {
+            "model": {"path": "models/pdcluster-tiny-code"},
+            "autoscale": {"enabled": True, "decode": {"min": 1, "max": 3}, "start_timeout_seconds": 600},
+        },
+        "test",
+    )
+
+    async def nothing(*args):
+        return {}
+
+    async def scenario():
+        controller = serving_decodes(1, planned)
+        pool = controller.pools["decode"]
+
+        async def held_by_ray(replica):
+            await asyncio.Event().wait()  # never scheduled
+
+        controller._start_replica = held_by_ray
+        controller._placement_problem = lambda role: None
+        methods = ("planner", "inflight", "update_replicas")
+        controller.router = type("Router", (), {name: _Remote(nothing) for name in methods})()
+        loop = PlannerLoop(controller)
+        await loop.apply(Decision("add_decode", "ITL p90 300 ms > 100 ms", (("decode", "add"),), {}, "decode"))
+        (planners,) = [r for r in pool if r.state == ReplicaState.STARTING]
+        asked = time.monotonic()
+        serving = next(r for r in pool if r.state == ReplicaState.READY)
+        serving.set_state(ReplicaState.DEAD)  # what the monitor does before it replaces it
+        controller._replace(serving)
+        (replacement,) = [r for r in pool if r.state == ReplicaState.STARTING and r is not planners]
+        await loop.give_up_unstarted(asked + 610)
+        return planners, replacement
+
+    planners, replacement = asyncio.run(scenario())
+    assert planners.state in (ReplicaState.DRAINING, ReplicaState.DEAD)
+    assert replacement.state == ReplicaState.STARTING
+
+
+class _Actor:
+    """A replica's actor as the controller calls it: `info` answers from `answers` in turn (an
+    exception is raised); `shutdown` waits for `stopped`."""
+
+    def __init__(self, answers=(), stopped: asyncio.Event | None = None):
+        self.answers, self.calls, self.stopped = list(answers), 0, stopped
+
+        async def info():
+            self.calls += 1
+            answer = self.answers.pop(0) if self.answers else {"healthy": True}
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        async def shutdown():
+            await self.stopped.wait()
+
+        self.info, self.shutdown = _Remote(info), _Remote(shutdown)
+
+
+@pytest.fixture
+def killed(monkeypatch) -> list:
+    """The actors the controller kills (ray.kill stood in for: these actors are stand-ins). Like
+    Ray's, it refuses what is not an actor (None here)."""
+    import ray
+
+    calls = []
+
+    def kill(actor, no_restart=True):
+        calls.append(actor)
+        if actor is None:
+            raise ValueError("ray.kill() only supported for actors. Got: <class 'NoneType'>.")
+
+    monkeypatch.setattr(ray, "kill", kill)
+    return calls
+
+
+def run_monitor(controller: Controller, until, limit_s: float = 10.0) -> bool:
+    """Run the controller's monitor until `until()` or `limit_s`; whether its task was still alive."""
+
+    async def scenario() -> bool:
+        monitor = asyncio.create_task(controller._monitor_loop())
+        deadline = time.monotonic() + limit_s
+        while not until() and not monitor.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the loop's own pace (MONITOR_INTERVAL_S)
+        alive = not monitor.done()
+        controller._stopping = True
+        monitor.cancel()
+        return alive
+
+    return asyncio.run(scenario())
+
+
+def test_the_monitor_goes_on_after_a_pass_that_failed():
+    """A pass of the monitor raised what it did not expect (here ray.nodes() in a GCS hiccup, as
+    it refilled an empty decode slot): its task ended, nobody awaiting it, and with it every
+    health check, replacement and router update, silently. The pass is logged; the next one
+    refills the slot."""
+    controller = Controller(CONFIG.model_dump_json(), "secret")
+    controller.config.role("prefill").replicas = 0
+    asked = []
+
+    def placement_problem(role):
+        asked.append(role)
+        if len(asked) == 1:
+            raise ConnectionError("GCS unavailable")
+        return None
+
+    async def held_by_ray(replica):
+        await asyncio.Event().wait()  # never scheduled
+
+    controller._placement_problem, controller._start_replica = placement_problem, held_by_ray
+    pool = controller.pools["decode"]
+    assert run_monitor(controller, lambda: pool) is True
+    assert [r.replica_id for r in pool] == ["decode-0"]
+
+
+def test_an_actor_unavailable_for_a_moment_is_an_unanswered_check_not_a_death(killed):
+    """Ray raises ActorUnavailableError (a RayActorError) when the connection to an actor's node
+    broke for a moment; the replica was declared dead on the first one, its actor killed and its
+    streams cut. It now counts as one unanswered check of HEALTH_FAILURES."""
+    import ray
+
+    controller = serving_decodes(1)
+    controller.config.role("prefill").replicas = 0
+    (replica,) = controller.pools["decode"]
+    replica.actor = _Actor([ray.exceptions.ActorUnavailableError("the node's connection broke", None)])
+    assert run_monitor(controller, lambda: replica.actor.calls >= 3) is True
+    assert replica.state.name == "READY" and replica.actor.calls >= 3
+    assert killed == []
+
+
+def test_a_drained_replica_found_dead_while_it_shuts_down_is_still_retired(killed):
+    """A replica's drain waits for its actor's shutdown; meanwhile the monitor finds it dead and
+    kills its actor (its actor is then None). The drain then killed None (a ValueError), its task
+    ended there and the replica stayed DRAINING in the pool for good (the planner waiting on it)."""
+    from pdcluster.orchestrator.replicas import ReplicaState
+
+    async def scenario():
+        controller = serving_decodes(2)
+        replica = controller.pools["decode"][0]
+        stopped = asyncio.Event()
+        replica.actor = _Actor(stopped=stopped)
+        replica.set_state(ReplicaState.DRAINING)
+        stop = asyncio.create_task(controller._stop_replica(replica))
+        await asyncio.sleep(0)  # the stop awaits the actor's shutdown
+        replica.actor = None  # what the monitor does to a draining replica it found dead
+        stopped.set()
+        await asyncio.wait_for(stop, 5)
+        return controller, replica
+
+    controller, replica = asyncio.run(scenario())
+    assert replica.state == ReplicaState.DEAD and replica in controller._retired
+    assert replica not in controller.pools["decode"]
+    assert killed == []  # the monitor killed it already
