@@ -146,6 +146,39 @@ def test_a_request_that_starts_awaiting_joins_the_held_lookup_at_once(served, mo
     wait_until(lambda: server.lookups_held == 0, "shutting down cancels the held lookup")
 
 
+def test_a_lookup_cancelled_for_a_new_key_does_not_cancel_the_one_after_it(served, monkeypatch):
+    """Request 2 joins request 1's held lookup: the held call is cancelled and asked again with
+    both keys, once. The cancelled call's completion, which gRPC reports later on its own thread,
+    set the lookup's `changed` event after the lookup had cleared it for the next call: that call
+    was cancelled at once, its own completion cancelled the one after, and so on (dozens of
+    authenticated calls a second to the prefill's server while both requests waited)."""
+    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S)
+    producer, server, client = served
+    asked: list[list[str]] = []
+    more = threading.Event()
+    handouts = producer.handouts
+
+    def counted(keys, *args):
+        asked.append(sorted(keys))
+        if len(asked) > 2:
+            more.set()
+        return handouts(keys, *args)
+
+    monkeypatch.setattr(producer, "handouts", counted)
+    pulls_ahead = ahead_pulls(lambda endpoint: client, [])
+    try:
+        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
+        wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
+        pulls_ahead.add(awaiting("r-2", "2" * 32, server.address))
+        both = ["1" * 32, "2" * 32]
+        wait_until(lambda: asked[-1] == both and server.lookups_held == 1, "both requests' lookup is held")
+        # Nothing changes from here on: a further call can only be one cancelled for nothing.
+        assert not more.wait(1.0), f"{len(asked)} lookups: {asked[:4]} ..."
+        assert asked == [["1" * 32], both]
+    finally:
+        pulls_ahead.shutdown()
+
+
 def test_the_requests_of_every_producer_are_looked_up_while_others_hold_their_lookups(monkeypatch):
     """Five producers, a request awaiting each; the first four's leases never come (their
     lookups stay held for a minute). The fifth's lease, filed next, is found: each producer

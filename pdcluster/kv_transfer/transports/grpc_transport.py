@@ -392,7 +392,7 @@ class GrpcClient(TransportClient):
         registered; it holds the call up to wait_s while it has none of them. `interrupt` set
         (also before the call): the call is cancelled, freeing the producer's thread, and
         answers None (this consumer has other keys to ask for); the event is also set when the
-        call ends by itself."""
+        call ends by itself (not when cancelled)."""
         request = pb.HandoutsRequest(keys=list(keys), consumer_engine_id=engine_id, wait_ms=int(wait_s * 1000))
 
         def call() -> dict[str, tuple[str, int]] | None:
@@ -402,7 +402,9 @@ class GrpcClient(TransportClient):
                     reply = self._handouts(request, metadata=metadata, timeout=timeout)
                 else:
                     future = self._handouts.future(request, metadata=metadata, timeout=timeout)
-                    future.add_done_callback(lambda _: interrupt.set())
+                    # Not for a call we cancelled: gRPC reports its end later, on its own thread,
+                    # when the caller may have cleared `interrupt` for its next call already.
+                    future.add_done_callback(lambda f: f.cancelled() or interrupt.set())
                     interrupt.wait()
                     if future.cancel():
                         return None
