@@ -1,6 +1,7 @@
 """The router's request path against replicas that are really unreachable (closed ports on
 127.0.0.1): every prefill replica is tried once, then the client gets a clear 503; the router
-itself keeps serving. (The same paths with live engines are in tests/e2e/pd/test_reliability.py.)"""
+itself keeps serving (the same paths with live engines: tests/e2e/pd/test_reliability.py). And a
+client that goes away: the engine's request is abandoned (stand-in replicas, replica_stand_ins.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from pdcluster.orchestrator.router import Router, RouterSettings
-from tests.unit.replica_stand_ins import ENGINE_TOKEN, row
+from tests.unit.replica_stand_ins import COMPLETION, ENGINE_TOKEN, StandIn, metric, prefill_answer, row, running
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "pdcluster-tiny-code"
 
@@ -299,3 +300,71 @@ def test_a_client_gone_while_sending_its_body_is_cancelled_not_an_internal_error
     with caplog.at_level(logging.ERROR):
         assert asyncio.run(scenario()) == 1.0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_client_that_leaves_a_non_streamed_request_abandons_it_on_the_engine():
+    """The router's connection to the decode replica closes when its client goes away (vLLM
+    aborts a request whose connection closed): the engine does not work on for nobody."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    hung_up = asyncio.Event()
+
+    async def working_forever(call, out):
+        await out.until_the_router_hangs_up()
+        hung_up.set()
+
+    prefill, decode = StandIn(prefill_answer()), StandIn(working_forever)
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=1.0) as client:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/v1/completions", json=COMPLETION)  # the client gives up
+            await asyncio.wait_for(hung_up.wait(), 20)
+        finally:
+            await router.stop()
+            prefill.close()
+            decode.close()
+
+    asyncio.run(scenario())
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
+
+
+def test_a_client_that_leaves_a_stream_before_decode_answers_abandons_it_on_the_engine(run):
+    """A stream whose client leaves after the prefill's first token, while the decode replica
+    has not answered yet: the router's connection to decode closes (vLLM aborts the request) and
+    the request counts as cancelled. The client's going cancelled the router's task again each
+    turn of the loop (anyio's cancel scope), each cancel reaching the call to decode awaited
+    there, which broke off httpcore's close of its connection: the engine generated on for
+    nobody, and the request counted as ok."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    hung_up = asyncio.Event()
+
+    async def working_forever(call, out):
+        await out.until_the_router_hangs_up()
+        hung_up.set()
+
+    prefill, decode = StandIn(prefill_answer()), StandIn(working_forever)
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=20.0) as client:
+                body = {**COMPLETION, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            break  # the prefill's first token came: the client leaves
+            await asyncio.wait_for(hung_up.wait(), 20)
+        finally:
+            await router.stop()
+            prefill.close()
+            decode.close()
+
+    run(scenario, 60)
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 0

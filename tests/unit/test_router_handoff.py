@@ -397,36 +397,6 @@ def test_a_prefill_answer_without_a_usable_lease_is_an_upstream_error(serve):
 # -- mid-stream failover ---------------------------------------------------------------------------
 
 
-def test_a_client_that_leaves_a_non_streamed_request_abandons_it_on_the_engine():
-    """The router's connection to the decode replica closes when its client goes away (vLLM
-    aborts a request whose connection closed): the engine does not work on for nobody."""
-    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
-    hung_up = asyncio.Event()
-
-    async def working_forever(call, out):
-        await out.until_the_router_hangs_up()
-        hung_up.set()
-
-    prefill, decode = StandIn(prefill_answer()), StandIn(working_forever)
-
-    async def scenario():
-        url = await running(router, prefill, decode)
-        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
-        try:
-            async with httpx.AsyncClient(base_url=url, timeout=1.0) as client:
-                with pytest.raises(httpx.ReadTimeout):
-                    await client.post("/v1/completions", json=COMPLETION)  # the client gives up
-            await asyncio.wait_for(hung_up.wait(), 20)
-        finally:
-            await router.stop()
-            prefill.close()
-            decode.close()
-
-    asyncio.run(scenario())
-    assert all(r.inflight_requests == 0 for r in router.replicas.values())
-    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
-
-
 def test_a_stream_past_the_requests_deadline_ends_with_a_timeout_event(serve):
     """router.request_timeout_seconds bounds the whole request, not only each read: a stream
     whose tokens keep coming, but too slowly for the deadline, is ended."""

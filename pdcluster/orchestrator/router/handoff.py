@@ -445,7 +445,11 @@ class PhaseRunner:
             chunks = None
             while True:
                 try:
-                    upstream = await relay.pending
+                    # Shielded: a client gone cancels this task again each turn of the loop
+                    # (anyio's cancel scope), and each cancel reached the request awaited,
+                    # breaking off httpcore's close of its connection: the decode engine
+                    # generated on for nobody. relay.close() cancels it once instead.
+                    upstream = await asyncio.shield(relay.pending)
                 except PhaseFailed as failure:
                     relay.pending = None
                     ahead = False
@@ -487,5 +491,8 @@ class PhaseRunner:
         except PDClusterError as exc:
             h.outcome = "no_replica" if isinstance(exc, NoReplicaError) else "upstream_error"
             yield error_event(str(exc), exc.error_type, exc.http_status)
+        except asyncio.CancelledError:
+            h.outcome = "cancelled"  # the client went away; closing the relay aborts decode's request
+            raise
         finally:
             await relay.close()
