@@ -13,7 +13,16 @@ import httpx
 import pytest
 
 from pdcluster.orchestrator.router import Router, RouterSettings
-from tests.unit.replica_stand_ins import COMPLETION, ENGINE_TOKEN, StandIn, metric, prefill_answer, row, running
+from tests.unit.replica_stand_ins import (
+    COMPLETION,
+    ENGINE_TOKEN,
+    StandIn,
+    decode_answer,
+    metric,
+    prefill_answer,
+    row,
+    running,
+)
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "pdcluster-tiny-code"
 
@@ -368,3 +377,36 @@ def test_a_client_that_leaves_a_stream_before_decode_answers_abandons_it_on_the_
     assert all(r.inflight_requests == 0 for r in router.replicas.values())
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 0
+
+
+def test_a_client_that_leaves_a_stream_while_its_prefill_runs_abandons_it_on_the_engine(run):
+    """A stream's response starts once its prefill is done; a client that gave up before (its
+    prefill queued or long) went unnoticed until then: the prefill engine worked on for nobody,
+    for up to a read timeout. The router now watches the client from the start, as it does for
+    a non-streamed request."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    hung_up = asyncio.Event()
+
+    async def working_forever(call, out):
+        await out.until_the_router_hangs_up()
+        hung_up.set()
+
+    prefill, decode = StandIn(working_forever), StandIn(decode_answer)
+
+    async def scenario():
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=1.0) as client:
+                with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting for the stream
+                    async with client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}):
+                        pass
+            await asyncio.wait_for(hung_up.wait(), 20)
+        finally:
+            await router.stop()
+            prefill.close()
+            decode.close()
+
+    run(scenario, 60)
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1

@@ -157,3 +157,41 @@ def test_a_stream_on_a_replica_declared_dead_moves_at_once_instead_of_waiting_fo
     texts = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert texts == [f" t{t}" for t in range(100, 106)]
     assert metric(router, 'pdcluster_stream_migrations_total{outcome="ok"}') == 1
+
+
+def test_a_client_that_leaves_while_its_stream_moves_is_counted_cancelled(run):
+    """The client leaves while the router posts its broken stream to another decode replica: that
+    replica's request is abandoned, and the request counts as cancelled (it counted as ok: the
+    cancellation came while the stream moved, where nothing recorded it)."""
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN, first_token_from_prefill=False))
+    hung_up = asyncio.Event()
+
+    async def working_forever(call, out):
+        await out.until_the_router_hangs_up()
+        hung_up.set()
+
+    prefill, dying, survivor = StandIn(prefill_answer()), StandIn(dying_decode([5, 6])), StandIn(working_forever)
+
+    async def scenario():
+        url = await running(router, prefill, dying, survivor)
+        rows = [row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", dying.url)]
+        router.update_replicas([*rows, row("decode-1", "decode", survivor.url)])
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=20.0) as client:
+                body = {**COMPLETION, "max_tokens": 6, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            break
+                    while not survivor.posts():  # the stream broke and is on its way to decode-1
+                        await asyncio.sleep(0.02)
+            await asyncio.wait_for(hung_up.wait(), 20)  # the client left: decode-1's request ends
+        finally:
+            await router.stop()
+            for stand_in in (prefill, dying, survivor):
+                stand_in.close()
+
+    run(scenario, 60)
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 0

@@ -22,6 +22,7 @@ from pdcluster.orchestrator.metrics import RouterMetrics
 from pdcluster.orchestrator.policies import ReplicaLoad
 from pdcluster.orchestrator.router.handoff import PhaseRunner
 from pdcluster.orchestrator.router.pool import ReplicaPool
+from pdcluster.orchestrator.router.relay import RelayResponse
 from pdcluster.orchestrator.router.requests import (
     MAX_REQUEST_ID_CHARS,
     BadRequest,
@@ -242,9 +243,9 @@ class Router:
                 h.tokens = h.prompt.count
             else:
                 h.tokens = await self.tokens.count(body, kind)
-            if h.stream:
-                return await self.phases.serve(h)
-            return await self._answered(request, h)
+            # A stream's response starts once its first phases are done; Starlette watches its
+            # client from then on. Until then, and for a whole non-streamed request, we do.
+            return await self._watched(request, h, None if h.stream else self.settings.request_timeout_s)
         except NoReplicaError as exc:
             h.finish("no_replica", e2e=False)
             return error_response(503, str(exc), "service_unavailable")
@@ -258,22 +259,26 @@ class Router:
             h.finish("upstream_error", e2e=False)
             return error_response(502, f"upstream replica failed: {type(exc).__name__}: {exc}", "upstream_error")
 
-    async def _answered(self, request: Request, h) -> Response:
-        """A non-streamed request, within the total deadline (router.request_timeout_seconds), and
-        abandoned on both engines when its client goes away: cancelling it closes the engines'
-        connections, and vLLM aborts a request whose connection closed."""
+    async def _watched(self, request: Request, h, timeout_s: float | None) -> Response:
+        """The request's response, abandoned on the engines when its client goes away first
+        (a stream: before its response starts, while its prefill runs or queues; a non-streamed
+        request: before its answer): cancelling it closes the engines' connections, and vLLM
+        aborts a request whose connection closed. A non-streamed request is also bounded by
+        the total deadline (router.request_timeout_seconds; a stream's relay keeps it)."""
         serving = asyncio.ensure_future(self.phases.serve(h))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done, _ = await asyncio.wait(
-                {serving, gone}, timeout=self.settings.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait({serving, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
         if serving in done:
             return serving.result()
         serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
+        # Not gather: a cancel of this task would be passed on to `serving` again, and a second
+        # cancel breaks off httpcore's close of the engine's connection.
+        await asyncio.wait({serving})
+        if not serving.cancelled() and serving.exception() is None and isinstance(serving.result(), RelayResponse):
+            await serving.result().relay.close()  # it returned as it was cancelled: nobody will stream it
         if gone in done:
             h.finish("cancelled", e2e=False)
             return Response(status_code=499)  # nobody reads it: the client is gone

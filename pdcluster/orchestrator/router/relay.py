@@ -179,6 +179,11 @@ async def closing(relay: Relay, chunks: AsyncIterator[bytes]) -> AsyncIterator[b
     try:
         async for chunk in chunks:
             yield chunk
+    except asyncio.CancelledError:
+        # The client went away: wherever the stream was (relaying, or moving to another decode
+        # replica), closing the relay aborts the engine's request.
+        relay.handoff.outcome = "cancelled"
+        raise
     finally:
         await relay.close()
 
