@@ -37,13 +37,28 @@ def out(text: str = "") -> None:
     stream.flush()
 
 
-def ray_connect(address: str, namespace: str) -> None:
-    """Join Ray as a driver. Ray's driver prints every cluster-wide error (a node marked dead, a
-    worker killed) to sys.stdout from a thread of its own, whatever log_to_driver says
-    (ray/_private/worker.py listen_error_messages): from here on sys.stdout is stderr, so those
-    lines reach the operator there and stdout carries only out()'s, e.g. `status --json`."""
+def ray_connect(address: str, namespace: str, token_path: str | None = None, joined: bool = False) -> None:
+    """Join Ray as a driver: the local head `up` started with its token (`token_path`), or, for a
+    cluster `up` joined (`joined`), with the operator's own Ray settings. Ray's driver prints
+    every cluster-wide error (a node marked dead, a worker killed) to sys.stdout from a thread of
+    its own, whatever log_to_driver says (ray/_private/worker.py listen_error_messages): from here
+    on sys.stdout is stderr, so those lines reach the operator there and stdout carries only
+    out()'s, e.g. `status --json`."""
     global _command_stdout, _joined_ray
     import ray
+
+    from pdcluster.orchestrator.session import RAY_AUTH_VARIABLES, ray_auth_env
+
+    if not joined:
+        for name in RAY_AUTH_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(ray_auth_env(token_path))
+        # Ray read its settings (RayConfig) and cached any token as it was imported: read them
+        # again with ours, as Ray's own token setup does (authentication_token_setup.py).
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
     if _command_stdout is None:
         _command_stdout, sys.stdout = sys.stdout, sys.stderr
@@ -150,7 +165,7 @@ def _connect(session) -> Any:
     from pdcluster.orchestrator.session import controller_name
 
     if not ray.is_initialized():
-        ray_connect(session.ray_address, session.namespace)
+        ray_connect(session.ray_address, session.namespace, session.ray_token_path, joined=session.head_pid is None)
     try:
         return ray.get_actor(controller_name(session.name), namespace=session.namespace)
     except ValueError:
@@ -163,7 +178,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdcluster.config_files import load_config, new_secret, read_credentials
     from pdcluster.orchestrator.controller import Controller
     from pdcluster.orchestrator.placement import orchestrator_options, orchestrator_placement, unplaceable
-    from pdcluster.orchestrator.session import Session, controller_name, start_local_head, state_home
+    from pdcluster.orchestrator.session import Session, controller_name, start_local_head, state_home, write_ray_token
 
     config = load_config(args.config)
     existing = state_home() / f"{config.name}.json"
@@ -172,18 +187,31 @@ def cmd_up(args: argparse.Namespace) -> int:
     secret, api_keys = read_credentials(config)  # a missing or empty file stops `up` here, in one line
     secret = secret or new_secret()
 
-    head_pid = None
+    head_pid = token_path = None
     if config.ray.address:
         address = config.ray.address
         out(f"joining Ray cluster at {address}")
     else:
         out("starting a local Ray head ...")
-        address, head_pid = start_local_head(config.ray.num_cpus, state_home() / "logs" / f"{config.name}-ray-head.log")
-    session = Session(config.name, address, config.ray.namespace, head_pid=head_pid, config_path=str(args.config))
+        token_path = write_ray_token(config.name)
+        log_path = state_home() / "logs" / f"{config.name}-ray-head.log"
+        try:
+            address, head_pid = start_local_head(config.ray.num_cpus, log_path, token_path=token_path)
+        except BaseException:
+            Path(token_path).unlink(missing_ok=True)
+            raise
+    session = Session(
+        config.name,
+        address,
+        config.ray.namespace,
+        head_pid=head_pid,
+        config_path=str(args.config),
+        ray_token_path=token_path,
+    )
     session.save()
     controller = None
     try:
-        ray_connect(address, config.ray.namespace)
+        ray_connect(address, config.ray.namespace, token_path, joined=head_pid is None)
         # The controller and the router go to the head (or router.placement): a node none can
         # be is refused here, before Ray would queue the controller forever.
         problem = unplaceable(*orchestrator_placement(config.router.placement), ray.nodes())
@@ -336,7 +364,7 @@ def _connect_quietly(session) -> None:
 
         if not group_running(session.head_pid):
             return  # the head is gone already: nothing to connect to
-    ray_connect(session.ray_address, session.namespace)
+    ray_connect(session.ray_address, session.namespace, session.ray_token_path, joined=session.head_pid is None)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -5,6 +5,14 @@
 configured, `up` starts a local Ray head as a child process group (`ray start --head --block`),
 waits for its own "started" message, and `down` stops exactly that process group (never other
 Ray clusters on the machine).
+
+That head takes only callers holding its token (Ray's token authentication, RAY_AUTH_MODE=token):
+a random one per cluster, in a private file beside the record (`<name>.ray-token`, mode 0600),
+named to Ray by path (RAY_AUTH_TOKEN_PATH) in the head's environment, which Ray's workers inherit,
+and in the CLI's before it joins. Set explicitly, it also keeps Ray's own default out: `ray start`
+turns token mode on when ~/.ray/auth_token exists (any earlier plain `ray.init()` writes one),
+while a joining `ray.init(address=...)` does not, and the CLI was refused by its own head. A
+cluster `up` joins (ray.address) keeps the operator's Ray settings.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import selectors
 import signal
 import socket
@@ -60,6 +69,7 @@ class Session:
     head_pid: int | None = None  # process group of the Ray head we started (None: joined)
     config_path: str | None = None
     foreground_pid: int | None = None  # `up --foreground` serving it: `down` asks that one to stop
+    ray_token_path: str | None = None  # the token of the head we started (None: joined)
 
     def is_stale(self) -> bool:
         """Its Ray is gone: the head we started has exited, or the joined cluster's address
@@ -95,6 +105,8 @@ class Session:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+        if self.ray_token_path:
+            Path(self.ray_token_path).unlink(missing_ok=True)
 
     @classmethod
     def load(cls, name: str | None, notice: Callable[[str], None] | None = None) -> Session:
@@ -139,6 +151,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def write_ray_token(name: str) -> str:
+    """A new random token for the local head of cluster `name`, in a file only its owner reads."""
+    path = state_home() / f"{name}.ray-token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # a killed `up`'s; its head is gone (the record says so first)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return str(path)
+
+
+def ray_auth_env(token_path: str | None) -> dict[str, str]:
+    """Ray's authentication settings for the local head and those who join it: its token's file,
+    or (None: a head a test starts bare) no authentication, stated rather than left to Ray."""
+    if token_path is None:
+        return {"RAY_AUTH_MODE": "disabled"}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+
+
+def with_ray_auth(env: dict[str, str], token_path: str | None) -> dict[str, str]:
+    """`env` with Ray's authentication variables replaced by ray_auth_env(token_path)'s (a token
+    in RAY_AUTH_TOKEN would win over the file)."""
+    env = {k: v for k, v in env.items() if k not in RAY_AUTH_VARIABLES}
+    return {**env, **ray_auth_env(token_path)}
+
+
 def ray_command() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
@@ -146,8 +187,11 @@ def ray_command() -> list[str]:
 HEAD_START_TRIES = 3  # GCS ports tried before `up` gives up on a head that cannot bind its port
 
 
-def start_local_head(num_cpus: int | None, log_path: Path, port: int = 0) -> tuple[str, int]:
-    """Start `ray start --head --block` in its own process group; return (address, pid).
+def start_local_head(
+    num_cpus: int | None, log_path: Path, port: int = 0, token_path: str | None = None
+) -> tuple[str, int]:
+    """Start `ray start --head --block` in its own process group; return (address, pid). It
+    takes callers holding the token in `token_path` (None: any caller).
 
     The GCS port (`port`, or a free one) is chosen here and bound by Ray seconds later; a port
     another process took meanwhile (a source port of some connection) makes the head exit, and
@@ -157,7 +201,7 @@ def start_local_head(num_cpus: int | None, log_path: Path, port: int = 0) -> tup
     for _ in range(HEAD_START_TRIES):
         port = port or free_port()
         offset = log.seek(0, os.SEEK_END)
-        proc, failure = _start_head(port, num_cpus, log)
+        proc, failure = _start_head(port, num_cpus, log, token_path)
         if failure is None:
             # Keep draining its stdout into the log so the head never blocks on a full pipe.
             _drain_in_background(proc, log)
@@ -174,7 +218,7 @@ def start_local_head(num_cpus: int | None, log_path: Path, port: int = 0) -> tup
     raise PDClusterError(f"local Ray head did not start (see {log_path}): {last[:300]}")
 
 
-def _start_head(port: int, num_cpus: int | None, log) -> tuple[subprocess.Popen, str | None]:
+def _start_head(port: int, num_cpus: int | None, log, token_path: str | None) -> tuple[subprocess.Popen, str | None]:
     """One `ray start --head`: the process, and None once Ray says it started, else what it
     printed before it exited (returncode set) or timed out (returncode None; stopped)."""
     cmd = [
@@ -191,7 +235,7 @@ def _start_head(port: int, num_cpus: int | None, log) -> tuple[subprocess.Popen,
         cmd.append(f"--num-cpus={num_cpus}")
     # Ray runs worker processes at nice 15 by default; our workers *are* the service (router,
     # engines), so they run at normal priority, like Ray's own job supervisor arranges for jobs.
-    env = dict(os.environ, RAY_worker_niceness="0")
+    env = with_ray_auth(dict(os.environ, RAY_worker_niceness="0"), token_path)
     log.flush()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)
     sel = selectors.DefaultSelector()

@@ -289,29 +289,42 @@ def test_status_json_reflects_cluster(cluster):
     assert "worker process kept" not in table
 
 
+PUBLISHER = """
+import sys, time
+from ray._private.utils import publish_error_to_driver
+from ray._raylet import GcsClient
+
+gcs = GcsClient(address=sys.argv[1])
+publish_error_to_driver("pdcluster_test", sys.argv[2], gcs)
+print("publishing", flush=True)
+while True:  # until stopped: all through the command's life, so some land while it is connected
+    publish_error_to_driver("pdcluster_test", sys.argv[2], gcs)
+    time.sleep(0.02)
+"""
+
+
 def test_status_json_stays_parseable_while_ray_reports_cluster_errors(cluster):
     """Ray's driver prints each cluster-wide error (a node marked dead, a worker killed) to
     sys.stdout from a thread of its own (ray/_private/worker.py listen_error_messages): the CLI's
-    stdout must still be only `status --json`'s document, the errors going to stderr."""
-    from ray._private.utils import publish_error_to_driver
-    from ray._raylet import GcsClient
+    stdout must still be only `status --json`'s document, the errors going to stderr. (The
+    errors come from a process holding the local head's Ray token, as the CLI does.)"""
+    import os
+    import subprocess
+    import sys
+
+    from pdcluster.orchestrator.session import with_ray_auth
 
     session = json.loads((cluster.home / f"{cluster.name}.json").read_text())
-    gcs = GcsClient(address=session["ray_address"])
     message = "a cluster error every driver prints"
-    stop = threading.Event()
-
-    def publish() -> None:  # all through the command's life, so some land while it is connected
-        while not stop.wait(0.02):
-            publish_error_to_driver("pdcluster_test", message, gcs)
-
-    publisher = threading.Thread(target=publish)
-    publisher.start()
+    env = with_ray_auth(dict(os.environ), session["ray_token_path"])
+    argv = [sys.executable, "-c", PUBLISHER, session["ray_address"], message]
+    publisher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     try:
+        assert publisher.stdout.readline() == "publishing\n"  # its first error is out
         result = cluster.cli("status", "--json", "--name", cluster.name)
     finally:
-        stop.set()
-        publisher.join()
+        publisher.kill()
+        publisher.wait()
     assert message in result.stderr  # the errors did reach the command while it ran
     assert json.loads(result.stdout)["endpoint"] == cluster.endpoint
 

@@ -126,19 +126,30 @@ def test_a_replica_that_fails_to_start_is_retried_in_its_slot(tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
-def test_a_router_port_in_use_stops_up_in_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize("ray_token_file", [False, True], ids=["", "stray-ray-token"])
+def test_a_router_port_in_use_stops_up_in_one_line_naming_it(tmp_path, ray_token_file):
     """A router port another process holds stops `up` with one line that names `router.port`
-    and the port (not the first line of a Ray traceback), and leaves no cluster behind."""
+    and the port (not the first line of a Ray traceback), and leaves no cluster behind (its Ray
+    token file neither). With a token in ~/.ray/auth_token (any earlier plain `ray.init()`
+    writes one), `ray start` turned Ray's token authentication on for the head while `up`
+    joined it without: Ray refused `up` ("Authentication token is missing or incorrect") and
+    every cluster on such a machine failed to start; the head now takes its own token."""
+    env = {}
+    if ray_token_file:
+        home = tmp_path / "user"
+        (home / ".ray").mkdir(parents=True)
+        (home / ".ray" / "auth_token").write_text("a-token-of-an-earlier-ray-init-" + "0" * 32)
+        env["HOME"] = str(home)
     with socket.socket() as holder:
         holder.bind(("0.0.0.0", 0))
         holder.listen()
         port = holder.getsockname()[1]
         config = write_config(tmp_path / "cluster.yaml", name="e2e-port-in-use", router={"port": port})
-        result = cli(tmp_path, "up", str(config), timeout=300, check=False)
+        result = cli(tmp_path, "up", str(config), timeout=300, check=False, env=env)
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("pdcluster: router.port") and str(port) in last and "in use" in last, result.stderr
-    assert not list(tmp_path.glob("*.json"))
+    assert not list(tmp_path.glob("*.json")) and not list(tmp_path.glob("*.ray-token"))
 
 
 def test_a_ray_head_port_taken_before_ray_binds_it_is_replaced_by_another(tmp_path):

@@ -65,12 +65,18 @@ def require_clusters_lane() -> None:
 
 
 def cli(
-    home: Path, *args: str, timeout: float = 900, check: bool = True, host: Host | None = None
+    home: Path,
+    *args: str,
+    timeout: float = 900,
+    check: bool = True,
+    host: Host | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """`pdcluster ARGS` with its state in `home`; run inside test host `host` when given."""
+    """`pdcluster ARGS` with its state in `home`; run inside test host `host` when given; `env`:
+    variables set for it besides."""
     if args[:1] == ("up",) and host is None:  # a test host has a network of its own
         require_clusters_lane()
-    env = dict(os.environ, PDCLUSTER_HOME=str(home), PYTHONPATH=str(REPO))
+    env = dict(os.environ, PDCLUSTER_HOME=str(home), PYTHONPATH=str(REPO), **(env or {}))
     argv = [*PDCLUSTER, *args] if host is None else host.command(*PDCLUSTER, *args)
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
