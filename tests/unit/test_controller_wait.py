@@ -211,14 +211,10 @@ def test_the_planner_goes_on_after_an_interval_that_failed():
     assert len(decided) >= 3
 
 
-def test_a_replica_the_planner_added_that_never_starts_is_scaled_away_and_its_role_held():
-    """Ray keeps an actor whose resources exist but are taken pending for as long as they are
-    (here the replica's start never ends: Ray's scheduling stood in for), and the planner held
-    every later action "waiting for the last change to land", for good. start_timeout_seconds
-    after it added the replica, the replica is scaled away and decode counts as unplaceable (the
-    planner reports it, once) for a cooldown; after that it may grow again."""
-    import time
-
+async def planner_adding_one_that_never_starts():
+    """(controller, its planner loop, the replica the planner added, when it asked): decode serves
+    one replica; the planner adds one whose start never ends (Ray's scheduling stood in for: Ray
+    keeps an actor whose resources exist but are taken pending for as long as they are)."""
     from pdcluster.orchestrator.autoscale import PlannerLoop
     from pdcluster.orchestrator.planner import Decision
     from pdcluster.orchestrator.replicas import ReplicaState
@@ -234,21 +230,29 @@ def test_a_replica_the_planner_added_that_never_starts_is_scaled_away_and_its_ro
     async def nothing(*args):
         return {}
 
+    async def held_by_ray(replica):
+        await asyncio.Event().wait()  # never scheduled
+
+    controller = serving_decodes(1, planned)
+    controller._start_replica = held_by_ray
+    controller._placement_problem = lambda role: None
+    methods = ("planner", "inflight", "update_replicas")
+    controller.router = type("Router", (), {name: _Remote(nothing) for name in methods})()
+    loop = PlannerLoop(controller)
+    await loop.apply(Decision("add_decode", "ITL p90 300 ms > 100 ms", (("decode", "add"),), {}, "decode"))
+    (added,) = [r for r in controller.pools["decode"] if r.state == ReplicaState.STARTING]
+    return controller, loop, added, time.monotonic()
+
+
+def test_a_replica_the_planner_added_that_never_starts_is_scaled_away_and_its_role_held():
+    """Ray keeps an actor whose resources exist but are taken pending for as long as they are,
+    and the planner held every later action "waiting for the last change to land", for good.
+    start_timeout_seconds after it added the replica, the replica is scaled away and decode counts
+    as unplaceable (the planner reports it, once) for a cooldown; after that it may grow again."""
+    from pdcluster.orchestrator.replicas import ReplicaState
+
     async def scenario():
-        controller = serving_decodes(1, planned)
-        pool = controller.pools["decode"]
-
-        async def held_by_ray(replica):
-            await asyncio.Event().wait()  # never scheduled
-
-        controller._start_replica = held_by_ray
-        controller._placement_problem = lambda role: None
-        methods = ("planner", "inflight", "update_replicas")
-        controller.router = type("Router", (), {name: _Remote(nothing) for name in methods})()
-        loop = PlannerLoop(controller)
-        await loop.apply(Decision("add_decode", "ITL p90 300 ms > 100 ms", (("decode", "add"),), {}, "decode"))
-        (added,) = [r for r in pool if r.state == ReplicaState.STARTING]
-        asked = time.monotonic()
+        controller, loop, added, asked = await planner_adding_one_that_never_starts()
         await loop.give_up_unstarted(asked + 590)
         early = (added.state, loop.unplaceable("decode", 2, asked + 590))
         await loop.give_up_unstarted(asked + 610)
@@ -272,38 +276,11 @@ def test_the_planner_scales_away_its_own_unstarted_replica_not_a_newer_replaceme
     is still starting when the start timeout passes. The planner asked to drain "one fewer", and
     resize chose the newest starting replica: the replacement went, the planner's stayed pending
     and was never given up again (its record gone), and the planner waited on it for good."""
-    import time
-
-    from pdcluster.orchestrator.autoscale import PlannerLoop
-    from pdcluster.orchestrator.planner import Decision
     from pdcluster.orchestrator.replicas import ReplicaState
 
-    planned = validate_config(
-        {
-            "model": {"path": "models/pdcluster-tiny-code"},
-            "autoscale": {"enabled": True, "decode": {"min": 1, "max": 3}, "start_timeout_seconds": 600},
-        },
-        "test",
-    )
-
-    async def nothing(*args):
-        return {}
-
     async def scenario():
-        controller = serving_decodes(1, planned)
+        controller, loop, planners, asked = await planner_adding_one_that_never_starts()
         pool = controller.pools["decode"]
-
-        async def held_by_ray(replica):
-            await asyncio.Event().wait()  # never scheduled
-
-        controller._start_replica = held_by_ray
-        controller._placement_problem = lambda role: None
-        methods = ("planner", "inflight", "update_replicas")
-        controller.router = type("Router", (), {name: _Remote(nothing) for name in methods})()
-        loop = PlannerLoop(controller)
-        await loop.apply(Decision("add_decode", "ITL p90 300 ms > 100 ms", (("decode", "add"),), {}, "decode"))
-        (planners,) = [r for r in pool if r.state == ReplicaState.STARTING]
-        asked = time.monotonic()
         serving = next(r for r in pool if r.state == ReplicaState.READY)
         serving.set_state(ReplicaState.DEAD)  # what the monitor does before it replaces it
         controller._replace(serving)

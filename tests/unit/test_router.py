@@ -311,9 +311,11 @@ def test_a_client_gone_while_sending_its_body_is_cancelled_not_an_internal_error
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
-def test_a_client_that_leaves_a_non_streamed_request_abandons_it_on_the_engine():
-    """The router's connection to the decode replica closes when its client goes away (vLLM
-    aborts a request whose connection closed): the engine does not work on for nobody."""
+def abandoned(run, working: str, leave, client_timeout_s: float = 1.0) -> Router:
+    """One request through a router whose `working` replica ("prefill" or "decode") answers
+    nothing until the router hangs up on it; `leave(client)` sends the request and gives up on it
+    (a client whose reads time out after `client_timeout_s`).
+    The router, once that replica saw the router hang up (nothing left in flight)."""
     router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
     hung_up = asyncio.Event()
 
@@ -321,24 +323,37 @@ def test_a_client_that_leaves_a_non_streamed_request_abandons_it_on_the_engine()
         await out.until_the_router_hangs_up()
         hung_up.set()
 
-    prefill, decode = StandIn(prefill_answer()), StandIn(working_forever)
+    answers = {"prefill": prefill_answer(), "decode": decode_answer, working: working_forever}
+    prefill, decode = StandIn(answers["prefill"]), StandIn(answers["decode"])
 
     async def scenario():
         url = await running(router, prefill, decode)
         router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
         try:
-            async with httpx.AsyncClient(base_url=url, timeout=1.0) as client:
-                with pytest.raises(httpx.ReadTimeout):
-                    await client.post("/v1/completions", json=COMPLETION)  # the client gives up
+            async with httpx.AsyncClient(base_url=url, timeout=client_timeout_s) as client:
+                await leave(client)
             await asyncio.wait_for(hung_up.wait(), 20)
         finally:
             await router.stop()
             prefill.close()
             decode.close()
 
-    asyncio.run(scenario())
+    run(scenario, 60)
     assert all(r.inflight_requests == 0 for r in router.replicas.values())
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 0
     assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
+    return router
+
+
+def test_a_client_that_leaves_a_non_streamed_request_abandons_it_on_the_engine(run):
+    """The router's connection to the decode replica closes when its client goes away (vLLM
+    aborts a request whose connection closed): the engine does not work on for nobody."""
+
+    async def leave(client):
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json=COMPLETION)  # the client gives up
+
+    abandoned(run, "decode", leave)
 
 
 def test_a_client_that_leaves_a_stream_before_decode_answers_abandons_it_on_the_engine(run):
@@ -348,35 +363,14 @@ def test_a_client_that_leaves_a_stream_before_decode_answers_abandons_it_on_the_
     turn of the loop (anyio's cancel scope), each cancel reaching the call to decode awaited
     there, which broke off httpcore's close of its connection: the engine generated on for
     nobody, and the request counted as ok."""
-    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
-    hung_up = asyncio.Event()
 
-    async def working_forever(call, out):
-        await out.until_the_router_hangs_up()
-        hung_up.set()
+    async def leave(client):
+        async with client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # the prefill's first token came: the client leaves
 
-    prefill, decode = StandIn(prefill_answer()), StandIn(working_forever)
-
-    async def scenario():
-        url = await running(router, prefill, decode)
-        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
-        try:
-            async with httpx.AsyncClient(base_url=url, timeout=20.0) as client:
-                body = {**COMPLETION, "stream": True}
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    async for line in response.aiter_lines():
-                        if line.startswith("data: "):
-                            break  # the prefill's first token came: the client leaves
-            await asyncio.wait_for(hung_up.wait(), 20)
-        finally:
-            await router.stop()
-            prefill.close()
-            decode.close()
-
-    run(scenario, 60)
-    assert all(r.inflight_requests == 0 for r in router.replicas.values())
-    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
-    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="ok"}') == 0
+    abandoned(run, "decode", leave, client_timeout_s=20.0)
 
 
 def test_a_client_that_leaves_a_stream_while_its_prefill_runs_abandons_it_on_the_engine(run):
@@ -384,29 +378,10 @@ def test_a_client_that_leaves_a_stream_while_its_prefill_runs_abandons_it_on_the
     prefill queued or long) went unnoticed until then: the prefill engine worked on for nobody,
     for up to a read timeout. The router now watches the client from the start, as it does for
     a non-streamed request."""
-    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
-    hung_up = asyncio.Event()
 
-    async def working_forever(call, out):
-        await out.until_the_router_hangs_up()
-        hung_up.set()
+    async def leave(client):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting for the stream
+            async with client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}):
+                pass
 
-    prefill, decode = StandIn(working_forever), StandIn(decode_answer)
-
-    async def scenario():
-        url = await running(router, prefill, decode)
-        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
-        try:
-            async with httpx.AsyncClient(base_url=url, timeout=1.0) as client:
-                with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting for the stream
-                    async with client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}):
-                        pass
-            await asyncio.wait_for(hung_up.wait(), 20)
-        finally:
-            await router.stop()
-            prefill.close()
-            decode.close()
-
-    run(scenario, 60)
-    assert all(r.inflight_requests == 0 for r in router.replicas.values())
-    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
+    abandoned(run, "prefill", leave)
