@@ -37,22 +37,20 @@ def out(text: str = "") -> None:
     stream.flush()
 
 
-def ray_connect(address: str, namespace: str, token_path: str | None = None, joined: bool = False) -> None:
-    """Join Ray as a driver: the local head `up` started with its token (`token_path`), or, for a
-    cluster `up` joined (`joined`), with the operator's own Ray settings. Ray's driver prints
-    every cluster-wide error (a node marked dead, a worker killed) to sys.stdout from a thread of
-    its own, whatever log_to_driver says (ray/_private/worker.py listen_error_messages): from here
-    on sys.stdout is stderr, so those lines reach the operator there and stdout carries only
-    out()'s, e.g. `status --json`."""
+def ray_connect(session) -> None:
+    """Join the session's Ray as a driver: the local head `up` started with its token, a cluster
+    `up` joined with the operator's own Ray settings. Ray's driver prints every cluster-wide error
+    (a node marked dead, a worker killed) to sys.stdout from a thread of its own, whatever
+    log_to_driver says (ray/_private/worker.py listen_error_messages): from here on sys.stdout is
+    stderr, so those lines reach the operator there and stdout carries only out()'s, e.g.
+    `status --json`."""
     global _command_stdout, _joined_ray
     import ray
 
-    from pdcluster.orchestrator.session import RAY_AUTH_VARIABLES, ray_auth_env
+    from pdcluster.orchestrator.session import set_ray_auth
 
-    if not joined:
-        for name in RAY_AUTH_VARIABLES:
-            os.environ.pop(name, None)
-        os.environ.update(ray_auth_env(token_path))
+    if session.head_pid is not None:  # ours
+        set_ray_auth(os.environ, session.ray_token_path)
         # Ray read its settings (RayConfig) and cached any token as it was imported: read them
         # again with ours, as Ray's own token setup does (authentication_token_setup.py).
         from ray._raylet import AuthenticationTokenLoader, Config
@@ -63,7 +61,9 @@ def ray_connect(address: str, namespace: str, token_path: str | None = None, joi
     if _command_stdout is None:
         _command_stdout, sys.stdout = sys.stdout, sys.stderr
     _joined_ray = True
-    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(
+        address=session.ray_address, namespace=session.namespace, log_to_driver=False, logging_level=logging.WARNING
+    )
 
 
 def _ray_disconnect() -> None:
@@ -165,7 +165,7 @@ def _connect(session) -> Any:
     from pdcluster.orchestrator.session import controller_name
 
     if not ray.is_initialized():
-        ray_connect(session.ray_address, session.namespace, session.ray_token_path, joined=session.head_pid is None)
+        ray_connect(session)
     try:
         return ray.get_actor(controller_name(session.name), namespace=session.namespace)
     except ValueError:
@@ -211,7 +211,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     session.save()
     controller = None
     try:
-        ray_connect(address, config.ray.namespace, token_path, joined=head_pid is None)
+        ray_connect(session)
         # The controller and the router go to the head (or router.placement): a node none can
         # be is refused here, before Ray would queue the controller forever.
         problem = unplaceable(*orchestrator_placement(config.router.placement), ray.nodes())
@@ -364,7 +364,7 @@ def _connect_quietly(session) -> None:
 
         if not group_running(session.head_pid):
             return  # the head is gone already: nothing to connect to
-    ray_connect(session.ray_address, session.namespace, session.ray_token_path, joined=session.head_pid is None)
+    ray_connect(session)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

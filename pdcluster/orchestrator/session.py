@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -165,19 +165,17 @@ def write_ray_token(name: str) -> str:
     return str(path)
 
 
-def ray_auth_env(token_path: str | None) -> dict[str, str]:
-    """Ray's authentication settings for the local head and those who join it: its token's file,
-    or (None: a head a test starts bare) no authentication, stated rather than left to Ray."""
+def set_ray_auth(env: MutableMapping[str, str], token_path: str | None) -> None:
+    """Set Ray's authentication variables in `env` (an environment, os.environ included) for the
+    local head and those who join it: its token's file, or (None: a head a test starts bare) no
+    authentication, stated rather than left to Ray. Any others go (a token in RAY_AUTH_TOKEN
+    would win over the file)."""
+    for name in RAY_AUTH_VARIABLES:
+        env.pop(name, None)
     if token_path is None:
-        return {"RAY_AUTH_MODE": "disabled"}
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
-
-
-def with_ray_auth(env: dict[str, str], token_path: str | None) -> dict[str, str]:
-    """`env` with Ray's authentication variables replaced by ray_auth_env(token_path)'s (a token
-    in RAY_AUTH_TOKEN would win over the file)."""
-    env = {k: v for k, v in env.items() if k not in RAY_AUTH_VARIABLES}
-    return {**env, **ray_auth_env(token_path)}
+        env["RAY_AUTH_MODE"] = "disabled"
+    else:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
 
 
 def ray_command() -> list[str]:
@@ -235,7 +233,8 @@ def _start_head(port: int, num_cpus: int | None, log, token_path: str | None) ->
         cmd.append(f"--num-cpus={num_cpus}")
     # Ray runs worker processes at nice 15 by default; our workers *are* the service (router,
     # engines), so they run at normal priority, like Ray's own job supervisor arranges for jobs.
-    env = with_ray_auth(dict(os.environ, RAY_worker_niceness="0"), token_path)
+    env = dict(os.environ, RAY_worker_niceness="0")
+    set_ray_auth(env, token_path)
     log.flush()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)
     sel = selectors.DefaultSelector()

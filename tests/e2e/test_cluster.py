@@ -312,11 +312,12 @@ def test_status_json_stays_parseable_while_ray_reports_cluster_errors(cluster):
     import subprocess
     import sys
 
-    from pdcluster.orchestrator.session import with_ray_auth
+    from pdcluster.orchestrator.session import set_ray_auth
 
     session = json.loads((cluster.home / f"{cluster.name}.json").read_text())
     message = "a cluster error every driver prints"
-    env = with_ray_auth(dict(os.environ), session["ray_token_path"])
+    env = dict(os.environ)
+    set_ray_auth(env, session["ray_token_path"])
     argv = [sys.executable, "-c", PUBLISHER, session["ray_address"], message]
     publisher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     try:
