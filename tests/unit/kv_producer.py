@@ -127,7 +127,9 @@ def assert_copied(consumer, request_id, dst_ids) -> None:
         assert torch.equal(dst[dst_ids], src[REQUESTS[request_id]])
 
 
-def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool, strided: bool = False):
+def pull(
+    backend: str, address: str, request_id: str, dst_ids, *, direct: bool, strided: bool = False, timeout_s: float = 20
+):
     """A consumer cache with REQUESTS[request_id] pulled into dst_ids, and the bytes received."""
     consumer = make_cache(fill="zeros", strided=strided)
     client = create_transport(backend, settings()).connect(address)
@@ -137,7 +139,7 @@ def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool, 
         scatterer.begin(dst_ids)
         # A plain callable sink never offers the cache for direct copies: the shm ring is used.
         sink = CacheSink(scatterer) if direct else scatterer.write
-        nbytes = client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=20)
+        nbytes = client.pull(request_id, REQUESTS[request_id], sink, engine_id="decode-0", timeout_s=timeout_s)
         # A release of a lease not filed yet (kept for when it is: answered True): every control
         # call gets exercised.
         assert client.release(request_id + "-unfiled", transferred=False, engine_id="decode-0", timeout_s=5)
@@ -149,17 +151,8 @@ def pull(backend: str, address: str, request_id: str, dst_ids, *, direct: bool, 
 def consumer_main(conn, address: str, request_id: str, dst_ids: list[int], timeout_s: float) -> None:
     """A consumer in another process (one a test can stop): one direct pull of `request_id` into
     a zeroed cache; sends ("pulled", bytes) or ("failed", the error)."""
-    consumer = make_cache(fill="zeros")
-    client = create_transport("shm", settings()).connect(address)
     try:
-        client.handshake(consumer.layout, "decode-0")
-        scatterer = BlockScatterer(consumer, CHUNK)
-        scatterer.begin(dst_ids)
-        nbytes = client.pull(
-            request_id, REQUESTS[request_id], CacheSink(scatterer), engine_id="decode-0", timeout_s=timeout_s
-        )
+        _, nbytes = pull("shm", address, request_id, dst_ids, direct=True, timeout_s=timeout_s)
         conn.send(("pulled", nbytes))
     except KVTransferError as exc:
         conn.send(("failed", str(exc)))
-    finally:
-        client.close()

@@ -211,6 +211,11 @@ def test_the_planner_goes_on_after_an_interval_that_failed():
     assert len(decided) >= 3
 
 
+async def held_by_ray(replica):
+    """A replica's start as Ray's scheduling makes it when no node has room: it never ends."""
+    await asyncio.Event().wait()
+
+
 async def planner_adding_one_that_never_starts():
     """(controller, its planner loop, the replica the planner added, when it asked): decode serves
     one replica; the planner adds one whose start never ends (Ray's scheduling stood in for: Ray
@@ -229,9 +234,6 @@ async def planner_adding_one_that_never_starts():
 
     async def nothing(*args):
         return {}
-
-    async def held_by_ray(replica):
-        await asyncio.Event().wait()  # never scheduled
 
     controller = serving_decodes(1, planned)
     controller._start_replica = held_by_ray
@@ -360,9 +362,6 @@ def test_the_monitor_goes_on_after_a_pass_that_failed():
         if len(asked) == 1:
             raise ConnectionError("GCS unavailable")
         return None
-
-    async def held_by_ray(replica):
-        await asyncio.Event().wait()  # never scheduled
 
     controller._placement_problem, controller._start_replica = placement_problem, held_by_ray
     pool = controller.pools["decode"]

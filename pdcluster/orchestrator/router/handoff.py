@@ -419,7 +419,7 @@ class PhaseRunner:
             relay.pending = h.ahead.pending  # already on its way; `body` only if it fails
         else:
             self._dispatch(h, relay, body)
-        return RelayResponse(self._continue(h, relay, body), relay, h.served_by())
+        return RelayResponse(closing(relay, self._continue(h, relay, body)), relay, h.served_by())
 
     def _dispatch(self, h: Handoff, relay: Relay, body: dict[str, Any]) -> None:
         """Send the continuation to the decode replica (chosen now if there is none) without
@@ -491,8 +491,3 @@ class PhaseRunner:
         except PDClusterError as exc:
             h.outcome = "no_replica" if isinstance(exc, NoReplicaError) else "upstream_error"
             yield error_event(str(exc), exc.error_type, exc.http_status)
-        except asyncio.CancelledError:
-            h.outcome = "cancelled"  # the client went away; closing the relay aborts decode's request
-            raise
-        finally:
-            await relay.close()
