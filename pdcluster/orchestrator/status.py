@@ -1,11 +1,13 @@
 """One replica's row of `pdcluster status` (what `status --json` prints, and the table is made of):
 the controller's view of it (role, node, state, stage, error), the router's (in flight, TTFT/ITL
 over the last minute) and its engine's (running, waiting, KV usage, KV backends, MTP counters);
-and the table `pdcluster status` prints from the whole status (`format_status`)."""
+and the table `pdcluster status` prints from the whole status (`format_status`); what `status
+--watch` prints (`watched`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -125,3 +127,17 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append("")
     lines.append("(TTFT of prefill replicas: their prefill phase; latencies over the last minute)")
     return "\n".join(lines)
+
+
+def watched(controller, every_s: float, render: Callable[[dict], str]) -> Iterator[str]:
+    """`controller`'s status, rendered, each time it differs from the last one yielded: looked at
+    each time the controller publishes (its monitor pass, each second) or after `every_s`."""
+    import ray
+
+    shown = None
+    while True:
+        text = render(ray.get(controller.status.remote()))
+        if text != shown:
+            yield text
+            shown = text
+        ray.get(controller.wait_ready.remote(every_s, True))

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from subprocess import PIPE
 
 import httpx
 import openai
@@ -379,6 +381,11 @@ def test_scale_decode_up_and_down_under_load(cluster, client):
                 failures.append(repr(exc))
             i += 1
 
+    # An operator watching (a JSON line each time status changes; an interval no wait here reaches).
+    watch = cluster.popen("status", "--json", "--watch", "600", "--name", cluster.name, stdout=PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(watch.stdout))  # a full pipe would stop it
+    reader.start()
     # Two clients keep streams in flight without saturating this 2-core machine's CPU.
     threads = [threading.Thread(target=load) for _ in range(2)]
     for t in threads:
@@ -392,7 +399,15 @@ def test_scale_decode_up_and_down_under_load(cluster, client):
         stop.set()
         for t in threads:
             t.join(120)
+        watch.send_signal(signal.SIGINT)  # Ctrl-C: how a watch ends
+        watch.wait(timeout=120)
+        reader.join(120)
     assert failures == []
+    assert watch.returncode == 0
+    assert all(a != b for a, b in zip(lines, lines[1:]))  # printed on changes only
+    states = [[r["state"] for r in json.loads(line)["replicas"] if r["replica"] == "decode-1"] for line in lines]
+    seen = [s[0] for s in states if s]
+    assert seen[:1] == ["starting"] and "ready" in seen, seen  # the new replica's start, as it went
     assert done[0] > served_before > 0
     status = cluster.status()
     assert [r["state"] for r in status["replicas"] if r["role"] == "decode"] == ["ready"]
@@ -419,7 +434,14 @@ def test_with_prefill_scaled_to_zero_decode_serves_requests_alone(cluster, clien
 
 def test_down_leaves_no_processes(cluster):
     assert cluster_processes(cluster.home, RAY_MARKERS)  # what is looked for is found while up
+    watch = cluster.popen("status", "--watch", "1", "--name", cluster.name, stdout=PIPE, stderr=PIPE, text=True)
+    assert "e2e-local" in watch.stdout.readline()  # it watches: the table's first line
     cli(cluster.home, "down", "--name", cluster.name, timeout=300)
+    # A watch of a cluster that goes down ends, saying so in one line.
+    _, said = watch.communicate(timeout=120)
+    assert watch.returncode == 1 and said.strip().splitlines()[-1] == (
+        "pdcluster: cluster 'e2e-local': its controller is gone (the cluster was stopped)"
+    ), said
     deadline = time.monotonic() + 30
     while (left := cluster_processes(cluster.home, RAY_MARKERS)) and time.monotonic() < deadline:
         time.sleep(0.5)  # processes exit asynchronously after their group is signalled

@@ -45,6 +45,9 @@ def test_a_failing_command_keeps_its_exit_status_and_one_line(tmp_path):
         (["scale", "decode", "two"], "pdcluster scale: argument replicas: invalid int value: 'two'"),
         (["scale", "router", "2"], "pdcluster scale: argument role: invalid choice: 'router'"),
         (["launch"], "pdcluster: argument command: invalid choice: 'launch'"),
+        (["status", "--watch", "0"], "pdcluster status: argument --watch: '0' is not a number of seconds > 0"),
+        (["status", "--watch", "nan"], "pdcluster status: argument --watch: 'nan' is not a number of seconds > 0"),
+        (["status", "--watch", "soon"], "pdcluster status: argument --watch: 'soon' is not a number of seconds > 0"),
         ([], "pdcluster: the following arguments are required: command"),
     ],
 )
