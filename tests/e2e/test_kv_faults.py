@@ -7,8 +7,6 @@ requests abandoned between prefill and decode: tests/e2e/handoff/, on engines wi
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -22,21 +20,8 @@ NAME = "tiny"
 PROMPTS = [token_prompt(150 + 40 * i, offset=311 * i) for i in range(16)]
 
 
-def prefill_stats(cluster) -> dict:
-    return next(r for r in cluster.status()["replicas"] if r["role"] == "prefill")["stats"]
-
-
-def decode_stats(cluster) -> dict:
-    return next(r for r in cluster.status()["replicas"] if r["role"] == "decode")["stats"]
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(1)  # engine stats reach status within a monitor interval
-    return value
+def stats(status: dict, role: str) -> dict:
+    return next(r for r in status["replicas"] if r["role"] == role)["stats"]
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +57,13 @@ def test_recompute_policy_survives_dropped_unreachable_and_timed_out_pulls(tmp_p
         with httpx.Client(base_url=cluster.endpoint, timeout=120) as http:
             for i, (prompt, expected) in enumerate(zip(PROMPTS, reference)):
                 assert_same_greedy(expected, greedy(http, prompt), TEST_DTYPE, f"prompt {i}")
-        stats = wait_for(
-            lambda: (s := decode_stats(cluster))["kv_pulls_ok"] + s["kv_pulls_failed"] >= len(PROMPTS) and s,
+        # Engine stats reach status within a monitor interval.
+        status = cluster.wait_status(
+            lambda s: (d := stats(s, "decode"))["kv_pulls_ok"] + d["kv_pulls_failed"] >= len(PROMPTS),
             30,
             "pull counters",
         )
-        assert stats["kv_pulls_failed"] >= 4 and stats["kv_pulls_ok"] >= 2
+        decode = stats(status, "decode")
+        assert decode["kv_pulls_failed"] >= 4 and decode["kv_pulls_ok"] >= 2
         # Every lease ends: released by the consumer, or expired when the release was lost.
-        wait_for(lambda: prefill_stats(cluster)["kv_cache_usage"] == 0.0, 60, "prefill blocks freed")
+        cluster.wait_status(lambda s: stats(s, "prefill")["kv_cache_usage"] == 0.0, 60, "prefill blocks freed")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,14 +77,18 @@ def cli(
     variables set for it besides."""
     if args[:1] == ("up",) and host is None:  # a test host has a network of its own
         require_clusters_lane()
-    env = dict(os.environ, PDCLUSTER_HOME=str(home), PYTHONPATH=str(REPO), **(env or {}))
-    argv = [*PDCLUSTER, *args] if host is None else host.command(*PDCLUSTER, *args)
+    argv, env = _command(home, args, host, env)
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(
             f"pdcluster {' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
         )
     return result
+
+
+def _command(home: Path, args, host: Host | None, env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ, PDCLUSTER_HOME=str(home), PYTHONPATH=str(REPO), **(env or {}))
+    return ([*PDCLUSTER, *args] if host is None else host.command(*PDCLUSTER, *args)), env
 
 
 @dataclass
@@ -97,6 +102,11 @@ class RunningCluster:
     def cli(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
         return cli(self.home, *args, host=self.host, **kwargs)
 
+    def popen(self, *args: str, **kwargs) -> subprocess.Popen:
+        """`pdcluster ARGS` started, in a session of its own (stop_group ends it and what it started)."""
+        argv, env = _command(self.home, args, self.host, None)
+        return subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True, **kwargs)
+
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json", "--name", self.name).stdout)
 
@@ -106,13 +116,38 @@ class RunningCluster:
 
     def wait_status(self, predicate, timeout_s: float, what: str) -> dict:
         """The first status `predicate` accepts; an AssertionError naming `what` after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while not predicate(status := self.status()):
-            if time.monotonic() > deadline:
-                replicas = json.dumps(status["replicas"], default=str)[:3000]
-                raise AssertionError(f"timed out waiting for {what}: {replicas}")
-            time.sleep(1)  # status is polled; the controller publishes changes within a second
-        return status
+        # One `status --watch` for the wait: each `status` joins Ray anew (about a CPU-second, a
+        # whole core's worth when polled every second on these 2 cores). It prints each change.
+        watcher = self.popen("status", "--json", "--watch", "1", "--name", self.name, stdout=subprocess.PIPE, text=True)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            stop_group(watcher)  # its output ends: the loop below with it
+
+        timer = threading.Timer(timeout_s, expire)
+        timer.start()
+        status = None
+        try:
+            for line in watcher.stdout:
+                if predicate(status := json.loads(line)):
+                    return status
+        finally:
+            timer.cancel()
+            stop_group(watcher)
+            watcher.stdout.close()
+            watcher.wait()
+        if not expired.is_set():  # why is on its stderr
+            raise AssertionError(f"waiting for {what}: `status --watch` ended first (exit {watcher.returncode})")
+        replicas = json.dumps(status["replicas"], default=str)[:3000] if status else "no status printed"
+        raise AssertionError(f"timed out waiting for {what}: {replicas}")
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """End a process started in a session of its own, and what it started (a test host's
+    nsenter forks the command it enters a PID namespace with)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def complete(http, prompt, **body):

@@ -113,7 +113,12 @@ class Host:
         """A Ray node on this host (`ray start --block`): the head (head=None, on `port`) or a
         node joining `head`'s; returns once Ray says it started. It ends with the host."""
         ray = str(Path(sys.executable).with_name("ray"))
-        argv = [ray, "start", "--block", f"--node-ip-address={self.address}", f"--num-cpus={num_cpus}"]
+        # Ray starts its workers at nice 15 unless told otherwise. A test host stands in for a
+        # machine of its own, but its processes share this one's cores with the other test lane's
+        # clusters, whose workers run at 0 (`up`'s own head sets it): at 15, its replicas starved
+        # beside them (an engine start took minutes).
+        argv = ["env", "RAY_worker_niceness=0", ray, "start", "--block", f"--node-ip-address={self.address}"]
+        argv += [f"--num-cpus={num_cpus}"]
         argv += [f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
         if head is None:
             argv += ["--head", f"--port={port}", "--include-dashboard=false"]
