@@ -385,3 +385,51 @@ def test_a_client_that_leaves_a_stream_while_its_prefill_runs_abandons_it_on_the
                 pass
 
     abandoned(run, "prefill", leave)
+
+
+def test_a_router_stopped_with_a_stream_open_cuts_it_before_closing_its_replica_connections(run, caplog):
+    """`down` stops the router while streams are open: it waited 10 s for them, then closed its
+    client to the replicas under them and left them running on it (a stream then failed on the
+    closed client, moving to another decode replica). Open requests get a grace period; then they
+    are cut as if their clients had left (the replica's request abandoned, counted cancelled),
+    and only then do the router's connections to the replicas close."""
+    import logging
+
+    hung_up = asyncio.Event()
+
+    async def stalled_stream(call, out):
+        await out.sse(
+            ['data: {"id":"cmpl-d","object":"text_completion","choices":[{"index":0,"text":" t0"}]}'], keep_open=True
+        )
+        await out.until_the_router_hangs_up()
+        hung_up.set()
+
+    router = Router(RouterSettings(model_name="tiny", engine_token=ENGINE_TOKEN))
+    prefill, decode = StandIn(prefill_answer()), StandIn(stalled_stream)
+
+    async def scenario() -> tuple[bool, list[str]]:
+        url = await running(router, prefill, decode)
+        router.update_replicas([row("prefill-0", "prefill", prefill.url), row("decode-0", "decode", decode.url)])
+        lines = []
+        try:
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=30) as client,
+                client.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as response,
+            ):
+                async for line in response.aiter_lines():
+                    lines.append(line)
+                    if " t0" in line:  # decode is streaming: the router stops
+                        await router.stop(grace_s=0.5)
+                        return hung_up.is_set(), lines
+        finally:
+            prefill.close()
+            decode.close()
+        return False, lines
+
+    with caplog.at_level(logging.WARNING):
+        abandoned_first, lines = run(scenario, 60)
+    assert abandoned_first, lines  # the replica's request was abandoned before stop returned
+    assert metric(router, 'pdcluster_requests_total{endpoint="completions",outcome="cancelled"}') == 1
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("pdcluster")]
+    assert not errors, caplog.text
+    assert all(r.inflight_requests == 0 for r in router.replicas.values())

@@ -35,6 +35,9 @@ from pdcluster.orchestrator.router.settings import RouterSettings
 from pdcluster.orchestrator.router.transport import AsyncioTransport
 
 logger = logging.getLogger(__name__)
+# What requests still open when the router stops (`down`) get to end, and then to be cut.
+STOP_GRACE_S = 10.0
+STOP_CUT_S = 5.0
 
 
 class Router:
@@ -142,11 +145,20 @@ class Router:
         logger.info("router listening on %s", self.url)
         return self.url
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop serving. Open requests get `grace_s` to end; then they are cut as if their clients
+        had left (each replica's request abandoned, counted cancelled), and only then do the
+        connections to the replicas close: a request left running on a closed client failed there."""
         if self._server is not None:
+            # uvicorn's own grace period: past it, it cancels the open requests' tasks
+            self._server.config.timeout_graceful_shutdown = grace_s
             self._server.should_exit = True
             if self._serve_task is not None:
-                await asyncio.wait({self._serve_task}, timeout=10)
+                await asyncio.wait({self._serve_task}, timeout=grace_s + STOP_CUT_S)
+            # uvicorn returns once it cancelled them: their ends (closing each relay) run after
+            cut = set(self._server.server_state.tasks)
+            if cut:
+                await asyncio.wait(cut, timeout=STOP_CUT_S)
         await self.pool.cache.close()
         if self.http is not None:
             await self.http.aclose()
