@@ -366,6 +366,12 @@ def test_engine_processes_get_the_cpu_settings(cluster):
             print(f"engine {proc.pid}: {huge >> 10} of {hinted >> 10} MiB hinted on 2 MiB pages")
 
 
+def ctrl_c_reaches_it() -> None:
+    """(In a child, before it runs its command.) Ctrl-C's default: a test run started in the
+    background (`make test &`) passes SIGINT on ignored, and Python keeps an ignored SIGINT so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_scale_decode_up_and_down_under_load(cluster, client):
     stop = threading.Event()
     failures: list[str] = []
@@ -382,7 +388,17 @@ def test_scale_decode_up_and_down_under_load(cluster, client):
             i += 1
 
     # An operator watching (a JSON line each time status changes; an interval no wait here reaches).
-    watch = cluster.popen("status", "--json", "--watch", "600", "--name", cluster.name, stdout=PIPE, text=True)
+    watch = cluster.popen(
+        "status",
+        "--json",
+        "--watch",
+        "600",
+        "--name",
+        cluster.name,
+        stdout=PIPE,
+        text=True,
+        preexec_fn=ctrl_c_reaches_it,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(watch.stdout))  # a full pipe would stop it
     reader.start()
