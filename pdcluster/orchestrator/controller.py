@@ -66,6 +66,7 @@ class Controller:
         self._monitor: asyncio.Task | None = None
         self.planner: PlannerLoop | None = None  # autoscale.enabled: the SLO planner (autoscale.py)
         self._changed = asyncio.Event()
+        self._published = asyncio.Condition()  # each publish notifies it (next_publish)
         self._stopping = False
         self._lock = asyncio.Lock()
 
@@ -182,6 +183,8 @@ class Controller:
             except ray.exceptions.RayError as exc:
                 self._warn_once("router", "cannot publish the replicas to the router: %s", one_line(exc, 200))
         self._changed.set()
+        async with self._published:
+            self._published.notify_all()
 
     async def _monitor_loop(self) -> None:
         """Check every replica, refill empty slots and tell the router, each second. Nobody awaits
@@ -318,6 +321,17 @@ class Controller:
             except asyncio.TimeoutError:
                 return False
             self._changed.clear()
+
+    async def next_publish(self, timeout_s: float) -> bool:
+        """True at the controller's next publish of the replica table (each monitor pass, each
+        change), whatever is starting; False after `timeout_s`: what `status --watch` waits for."""
+        async with self._published:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._published.wait()
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     # -- scaling ------------------------------------------------------------------------
 

@@ -131,7 +131,8 @@ def format_status(status: dict[str, Any]) -> str:
 
 def watched(controller, every_s: float, render: Callable[[dict], str]) -> Iterator[str]:
     """`controller`'s status, rendered, each time it differs from the last one yielded: looked at
-    each time the controller publishes (its monitor pass, each second) or after `every_s`."""
+    each time the controller publishes (its monitor pass, each second; a replica's start too) or
+    after `every_s`."""
     import ray
 
     shown = None
@@ -140,4 +141,4 @@ def watched(controller, every_s: float, render: Callable[[dict], str]) -> Iterat
         if text != shown:
             yield text
             shown = text
-        ray.get(controller.wait_ready.remote(every_s, True))
+        ray.get(controller.next_publish.remote(every_s))

@@ -45,6 +45,28 @@ def test_a_wait_for_a_change_gives_up_at_its_timeout():
     assert asyncio.run(scenario()) is False
 
 
+def test_a_watch_wakes_at_each_publish_while_a_replica_starts_and_gives_up_at_its_timeout():
+    """`status --watch` waited with the readiness wait (for a change), which goes on waiting while
+    a replica starts: a watch showed nothing of a start until it ended. It waits for the next
+    publish, whatever is starting (and not for one that came before it asked)."""
+    from pdcluster.orchestrator.replicas import ReplicaState
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        controller = serving_decodes(1)
+        controller.pools["decode"][0].state = ReplicaState.STARTING
+        await controller._publish()  # before the watch asks: not its wake-up
+        waiting = asyncio.create_task(controller.next_publish(30))
+        for _ in range(20):
+            await asyncio.sleep(0)  # the waiter runs up to its wait
+        early = waiting.done()
+        await controller._publish()  # the monitor's next pass, the replica still starting
+        woken = await asyncio.wait_for(waiting, timeout=5)
+        return early, woken, await controller.next_publish(0.2)
+
+    early, woken, timed_out = asyncio.run(scenario())
+    assert (early, woken, timed_out) == (False, True, False)
+
+
 def test_scale_refuses_what_the_cluster_yaml_refuses():
     """`scale` checks the new size as the YAML's own rules do: no decode replica in disaggregated
     mode, more than 64, sizes outside the planner's bounds; the config is left as it was."""
