@@ -65,7 +65,6 @@ class Controller:
         self.started_at = time.time()
         self._monitor: asyncio.Task | None = None
         self.planner: PlannerLoop | None = None  # autoscale.enabled: the SLO planner (autoscale.py)
-        self._changed = asyncio.Event()
         self._published = asyncio.Condition()  # each publish notifies it (next_publish)
         self._stopping = False
         self._lock = asyncio.Lock()
@@ -182,7 +181,6 @@ class Controller:
                 await self.router.update_replicas.remote(rows)
             except ray.exceptions.RayError as exc:
                 self._warn_once("router", "cannot publish the replicas to the router: %s", one_line(exc, 200))
-        self._changed.set()
         async with self._published:
             self._published.notify_all()
 
@@ -240,7 +238,6 @@ class Controller:
                 replica.actor = None
         self._reconcile()
         await self._publish()
-        self._changed.clear()
 
     def _replace(self, dead: Replica) -> None:
         """A serving replica died: retire it (its actor is killed); the next reconcile refills
@@ -313,14 +310,8 @@ class Controller:
                 return True
             change = False
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not await self.next_publish(remaining):
                 return False
-            try:
-                async with asyncio.timeout(remaining):
-                    await self._changed.wait()
-            except asyncio.TimeoutError:
-                return False
-            self._changed.clear()
 
     async def next_publish(self, timeout_s: float) -> bool:
         """True at the controller's next publish of the replica table (each monitor pass, each
