@@ -178,6 +178,11 @@ def set_ray_auth(env: MutableMapping[str, str], token_path: str | None) -> None:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
 
 
+# Ray runs worker processes at nice 15 by default; our workers *are* the service (router,
+# engines), so they run at normal priority, like Ray's own job supervisor arranges for jobs.
+WORKERS_AT_NORMAL_PRIORITY = {"RAY_worker_niceness": "0"}
+
+
 def ray_command() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
@@ -231,9 +236,7 @@ def _start_head(port: int, num_cpus: int | None, log, token_path: str | None) ->
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    # Ray runs worker processes at nice 15 by default; our workers *are* the service (router,
-    # engines), so they run at normal priority, like Ray's own job supervisor arranges for jobs.
-    env = dict(os.environ, RAY_worker_niceness="0")
+    env = dict(os.environ, **WORKERS_AT_NORMAL_PRIORITY)
     set_ray_auth(env, token_path)
     log.flush()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.orchestrator.session import WORKERS_AT_NORMAL_PRIORITY
+
 SUBNET = "198.18.{group}.{host}"  # 198.18.0.0/15: RFC 2544 benchmarking addresses, never routed
 PREFIX = 24
 SHM_BYTES = 512 << 20
@@ -113,11 +115,11 @@ class Host:
         """A Ray node on this host (`ray start --block`): the head (head=None, on `port`) or a
         node joining `head`'s; returns once Ray says it started. It ends with the host."""
         ray = str(Path(sys.executable).with_name("ray"))
-        # Ray starts its workers at nice 15 unless told otherwise. A test host stands in for a
-        # machine of its own, but its processes share this one's cores with the other test lane's
-        # clusters, whose workers run at 0 (`up`'s own head sets it): at 15, its replicas starved
-        # beside them (an engine start took minutes).
-        argv = ["env", "RAY_worker_niceness=0", ray, "start", "--block", f"--node-ip-address={self.address}"]
+        # Workers at normal priority, as `up`'s own head runs them: a test host stands in for a
+        # machine of its own, but shares this one's cores with the other test lane's clusters; at
+        # Ray's default (nice 15) its replicas starved beside them (an engine start took minutes).
+        priority = [f"{name}={value}" for name, value in WORKERS_AT_NORMAL_PRIORITY.items()]
+        argv = ["env", *priority, ray, "start", "--block", f"--node-ip-address={self.address}"]
         argv += [f"--num-cpus={num_cpus}"]
         argv += [f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
         if head is None:
