@@ -81,6 +81,9 @@ class PeerRegistry:
         # left it a closed socket to register (ValueError: fd -1).
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
+        # close() wakes the thread through this pair: a listener closed under epoll wakes nothing
+        self._wake, self._woken = socket.socketpair()
+        self._selector.register(self._woken, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._serve, name="kv-shm-peers", daemon=True)
         self._thread.start()
 
@@ -90,11 +93,13 @@ class PeerRegistry:
         with self._selector as selector:
             while not self._closed:
                 try:
-                    ready = selector.select(0.5)
+                    ready = selector.select()
                 except (OSError, ValueError):
                     break  # closed under us
                 for key, _ in ready:
                     sock = key.fileobj
+                    if sock is self._woken:
+                        break  # close(): _closed is set
                     if sock is self._listener:
                         conn = self._accept()
                         if conn is not None:
@@ -109,7 +114,7 @@ class PeerRegistry:
                         self._forget(sock)
             for key in list(selector.get_map().values()):
                 if key.fileobj is not self._listener:
-                    key.fileobj.close()
+                    key.fileobj.close()  # the consumers' connections and the wake-up's end
 
     def _accept(self) -> socket.socket | None:
         try:
@@ -180,9 +185,13 @@ class PeerRegistry:
         self._warn(reason, "refused direct shm peer: %s", reason)
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
+        self._wake.send(b"\0")
         self._listener.close()
         self._thread.join(timeout=2)
+        self._wake.close()
         with self._lock:
             for registration in self._registrations.values():
                 os.close(registration.pidfd)
