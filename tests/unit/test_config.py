@@ -196,11 +196,14 @@ def test_worker_spin_setting_reaches_vllms_step_queues():
     engine cores (which only wait for their workers' results) as no spin. A reader that went to
     sleep re-reads its queue every IDLE_RECHECK_MS, not every 5 s (a lost wake-up ping stalled
     engines for 5 s). One interpreter imports vLLM once, then forks a process per vLLM process
-    name, each loading the plugins as that process does."""
+    name, each loading the plugins as that process does (the fork keeps the modules the parent
+    imported, so each child runs the plugin without importing most of vLLM again)."""
     code = (
         "import multiprocessing, os, inspect\n"
         "from vllm.plugins import load_general_plugins\n"
         "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition\n"
+        # What the plugin's fixes import, once here, not once per child (a fork keeps modules)
+        "import vllm.v1.sample.rejection_sampler\n"
         f"for name in {list(SPIN_BY_PROCESS)!r}:\n"
         "    pid = os.fork()\n"
         "    if pid == 0:\n"

@@ -72,42 +72,64 @@ def test_every_engine_pdcluster_starts_carries_the_marker():
 
 # A vLLM worker process, as far as our plugin can tell: it loads vLLM's general plugins (as
 # vLLM does in every process it starts), then reports what they did to vLLM's step queues.
+# One interpreter imports torch and vLLM's modules once, then forks a child per case; each
+# child takes its case's environment, loads the plugins and reports (a line per case).
 PROBE = """
-import json, logging, multiprocessing
-multiprocessing.current_process().name = "VllmWorker-0"
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-from pdcluster import compat, vllm_plugin
-spin, recheck_ms = compat.queue_reader_spin()
+import json, logging, multiprocessing, os, sys
 import torch
-from vllm.platforms import current_platform
+from vllm.plugins import load_general_plugins
 from vllm.v1.sample import rejection_sampler
-current_platform.register_triton_kernel_overrides()  # as a CPU worker does after the plugins
-# requests' temperatures (0: greedy, made 1) over their draft tokens: 2, 0 and 3 of them
-spread = rejection_sampler.expand_batch_to_tokens(
-    torch.tensor([0.0, 0.75, 0.5]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, 0, 1
-).tolist()
-print(json.dumps({
-    "spin_s": spin, "recheck_ms": recheck_ms, "pings_kept": compat.queue_pings_kept(),
-    "pdcluster_logging": bool(logging.getLogger("pdcluster").handlers),
-    "amx_asked": vllm_plugin._amx_requested is not None,
-    "drafts_sampled_right": spread == [1.0, 1.0, 0.5, 0.5, 0.5],
-}))
+from pdcluster import compat, vllm_plugin
+for case, env in enumerate(json.loads(sys.argv[1])):
+    pid = os.fork()
+    if pid:
+        assert os.waitpid(pid, 0)[1] == 0, env
+        continue
+    os.environ.update(env)
+    multiprocessing.current_process().name = "VllmWorker-0"
+    load_general_plugins()
+    spin, recheck_ms = compat.queue_reader_spin()
+    from vllm.platforms import current_platform
+    current_platform.register_triton_kernel_overrides()  # as a CPU worker does after the plugins
+    # requests' temperatures (0: greedy, made 1) over their draft tokens: 2, 0 and 3 of them
+    spread = rejection_sampler.expand_batch_to_tokens(
+        torch.tensor([0.0, 0.75, 0.5]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, 0, 1
+    ).tolist()
+    print(json.dumps({"case": case, "report": {
+        "spin_s": spin, "recheck_ms": recheck_ms, "pings_kept": compat.queue_pings_kept(),
+        "pdcluster_logging": bool(logging.getLogger("pdcluster").handlers),
+        "amx_asked": vllm_plugin._amx_requested is not None,
+        "drafts_sampled_right": spread == [1.0, 1.0, 0.5, 0.5, 0.5],
+    }}), flush=True)
+    os._exit(0)
 """
 
+# The probe's cases: the environment each child adds to the probe's own.
+CASES = {
+    "stock": {},
+    "launched": {ENGINE_MARKER_ENV: "1"},
+    "amx alone": {"VLLM_PLUGINS": AMX_PLUGIN},
+    "amx alone, marked": {"VLLM_PLUGINS": AMX_PLUGIN, ENGINE_MARKER_ENV: "1"},
+}
 
-def probe(**env: str) -> dict:
+
+@pytest.fixture(scope="module")
+def probed() -> dict[str, dict]:
+    """What each case's process got from vLLM's general plugins, by case name. The probe starts
+    without the marker and VLLM_PLUGINS, with the worker spin a role's default sets."""
     base = {k: v for k, v in os.environ.items() if k not in (ENGINE_MARKER_ENV, "VLLM_PLUGINS")}
-    base[WORKER_SPIN_ENV] = "5"  # as a role's default would set it
+    base[WORKER_SPIN_ENV] = "5"
     out = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        env={**base, **env},
+        [sys.executable, "-c", PROBE, json.dumps(list(CASES.values()))],
+        env=base,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    names = list(CASES)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"case"')]
+    return {names[row["case"]]: row["report"] for row in rows}
 
 
 # drafts_sampled_right: stock vLLM's CPU fallback leaves the spread uninitialized
@@ -121,13 +143,13 @@ STOCK = {
 }
 
 
-def test_a_process_pdcluster_did_not_launch_keeps_stock_vllm():
+def test_a_process_pdcluster_did_not_launch_keeps_stock_vllm(probed):
     """A stock `vllm serve` in this venv loads our plugins too (no VLLM_PLUGINS): they do nothing."""
-    assert probe() == {**STOCK, "amx_asked": False}
+    assert probed["stock"] == {**STOCK, "amx_asked": False}
 
 
-def test_a_process_pdcluster_launched_gets_the_fixes():
-    assert probe(**{ENGINE_MARKER_ENV: "1"}) == {
+def test_a_process_pdcluster_launched_gets_the_fixes(probed):
+    assert probed["launched"] == {
         "spin_s": 0.005,
         "recheck_ms": IDLE_RECHECK_MS,
         "pings_kept": True,
@@ -137,8 +159,8 @@ def test_a_process_pdcluster_launched_gets_the_fixes():
     }
 
 
-def test_the_amx_plugin_alone_acts_only_when_named():
+def test_the_amx_plugin_alone_acts_only_when_named(probed):
     """The vLLM P/D baseline on AMX CPUs: VLLM_PLUGINS names only the AMX permission; the step
     queues stay stock even where the marker is set, since vLLM does not load our other plugin."""
-    assert probe(VLLM_PLUGINS=AMX_PLUGIN) == {**STOCK, "amx_asked": True}
-    assert probe(VLLM_PLUGINS=AMX_PLUGIN, **{ENGINE_MARKER_ENV: "1"}) == {**STOCK, "amx_asked": True}
+    assert probed["amx alone"] == {**STOCK, "amx_asked": True}
+    assert probed["amx alone, marked"] == {**STOCK, "amx_asked": True}
