@@ -7,6 +7,7 @@ makers still running, or of other pid namespaces, are left alone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -78,14 +79,22 @@ def test_a_secret_file_of_another_pid_namespace_is_left_alone(tmp_path):
     assert all(path.exists() for path in elsewhere) and not here.exists()
 
 
-MAKER = (  # an engine's three private directories, made as the engine host makes them
+MAKERS = (  # two engines' three private directories each, made as the engine host makes them
     "import os, sys\n"
     "from pdcluster.engine.host import private_ipc_dir\n"
     "from pdcluster.engine.kv_events import KVEventRelay\n"
     "from pdcluster.kv_transfer.failures import FailureInbox\n"
-    "os.environ.pop('VLLM_RPC_BASE_PATH', None)\n"
-    "made = [private_ipc_dir(), KVEventRelay().directory, os.path.dirname(FailureInbox().path)]\n"
-    "print(*made, flush=True); sys.stdin.read()\n"
+    "for _ in range(2):\n"  # a process per engine, forked: the modules are imported once
+    "    if os.fork() == 0:\n"
+    "        os.environ.pop('VLLM_RPC_BASE_PATH', None)\n"
+    "        made = [private_ipc_dir(), KVEventRelay().directory, os.path.dirname(FailureInbox().path)]\n"
+    "        print(os.getpid(), *made, flush=True); sys.stdin.read(); os._exit(0)\n"
+    "while True:\n"  # reaped, a maker's pid runs nothing: what the next engine's sweep looks for
+    "    try:\n"
+    "        pid, _ = os.wait()\n"
+    "    except ChildProcessError:\n"
+    "        break\n"
+    "    print('ended', pid, flush=True)\n"
 )
 
 
@@ -102,23 +111,16 @@ def test_a_killed_engines_private_directories_are_removed_by_the_next_engine(mon
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again (here and in the children)
     monkeypatch.setenv(RPC_BASE_ENV, "")  # private_ipc_dir sets it: restored after the test
     monkeypatch.delenv(RPC_BASE_ENV)
-
-    def maker() -> tuple[subprocess.Popen, list[str]]:
-        process = subprocess.Popen(
-            [sys.executable, "-c", MAKER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ),
-        )
-        return process, process.stdout.readline().split()
-
-    killed, left = maker()
-    running, kept = maker()
+    makers = subprocess.Popen(
+        [sys.executable, "-c", MAKERS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ)
+    )
+    running = None
     try:
-        assert len(left) == 3 and all(os.path.dirname(path) == str(tmp_path) for path in left), left
-        killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=30)
+        made = [makers.stdout.readline().split() for _ in range(2)]  # pid, then its directories
+        (killed, *left), (running, *kept) = made
+        assert len(left) == 3 and all(os.path.dirname(path) == str(tmp_path) for path in left), made
+        os.kill(int(killed), signal.SIGKILL)
+        assert makers.stdout.readline().split() == ["ended", killed]
         assert all(os.path.isdir(path) for path in left)
         inbox, relay = FailureInbox(), KVEventRelay()
         try:
@@ -130,11 +132,15 @@ def test_a_killed_engines_private_directories_are_removed_by_the_next_engine(mon
             inbox.close()
             relay.stop()
     finally:
-        for process in (killed, running):
-            process.kill()
-            process.wait(timeout=30)
-            process.stdin.close()
-            process.stdout.close()
+        makers.stdin.close()  # the running maker ends at its input's end, then their parent
+        try:
+            makers.wait(timeout=30)
+        finally:
+            for pid in (running, makers.pid):
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+            makers.stdout.close()
         shutil.rmtree(tmp_path)
 
 
