@@ -16,6 +16,7 @@ import pytest
 from pdcluster.engine.kv_events import EVENTS_PATH
 from pdcluster.orchestrator.router.cache_index import CacheIndex, Prompt
 from pdcluster.orchestrator.router.requests import PromptTokens
+from tests.support.cores import SECOND
 from tests.support.engines import MODEL, run_engine, tiny_engine
 from tests.support.prompts import heldout_prompts, token_prompt
 
@@ -28,7 +29,10 @@ SETTLE_S = 30.0  # bound on waiting for events the engine has already queued
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    spec = tiny_engine("events", kv_events=True, engine_args={"num_gpu_blocks_override": BLOCKS})
+    # bound to a core: the model runs in the engine core (one process fewer to start than vLLM's own layout)
+    spec = tiny_engine(
+        "events", kv_events=True, engine_args={"num_gpu_blocks_override": BLOCKS}, cpu_threads_bind=SECOND
+    )
     with run_engine(spec, tmp_path_factory.mktemp("events")) as running:
         yield running
 
