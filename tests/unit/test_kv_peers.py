@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -328,3 +330,61 @@ def test_a_registry_closed_at_once_ends_its_thread_without_an_error(monkeypatch)
         thread.join(10)
         assert not thread.is_alive()
     assert died == []
+
+
+PROVER = (  # a consumer that proves itself, says who it is and what it was given, and exits
+    "import os, sys\n"
+    "from pdcluster.kv_transfer.transports.peers import prove\n"
+    "sock, token = prove(sys.argv[1], 30)\n"
+    "print(os.getpid(), token, flush=True)\n"
+)
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"  # the pid the kernel gave last: the next is one past it
+
+
+def start_with_pid(pid: int, tries: int = 50) -> subprocess.Popen | None:
+    """A process given `pid` (free again): the kernel's next pid set to it, then a start; None
+    where no try got it (another process's start took it first)."""
+    for _ in range(tries):
+        with open(NS_LAST_PID, "w") as f:
+            f.write(str(pid - 1))
+        process = subprocess.Popen(["sleep", "600"])
+        if process.pid == pid:
+            return process
+        process.kill()
+        process.wait(timeout=30)
+    return None
+
+
+@pytest.mark.parametrize("kernels_pidfd", [True, False], ids=["SO_PEERPIDFD", "pidfd_open"])
+def test_a_proven_consumer_whose_pid_is_reused_before_it_registers_is_refused(monkeypatch, kernels_pidfd):
+    """A consumer proves itself (the token) and exits before its registration is handled, and a
+    process of the same user starts with its pid: the registration is refused, not bound to the
+    newcomer (whose memory the producer's direct pushes would then write). The registry's thread
+    has not yet seen the connection close (held back here): the pid was looked up again at
+    registration, and found the newcomer. Also where the kernel offers no pidfd of a socket's peer
+    (before Linux 6.5; an option number no kernel knows stands in for it here)."""
+    if not os.access(NS_LAST_PID, os.W_OK):
+        pytest.skip(f"{NS_LAST_PID} is not writable here: a pid cannot be given again on purpose")
+    if not kernels_pidfd:
+        monkeypatch.setattr(peers, "SO_PEERPIDFD", 9999)
+    registry = peers.PeerRegistry("reuse")
+    held = []
+    monkeypatch.setattr(registry, "_forget", held.append)  # the thread has not got to it yet
+    newcomer = None
+    try:
+        prover = subprocess.run(
+            [sys.executable, "-c", PROVER, registry.name], capture_output=True, text=True, timeout=120
+        )
+        assert prover.returncode == 0, prover.stderr[-2000:]
+        pid, token = prover.stdout.split()
+        newcomer = start_with_pid(int(pid))
+        assert newcomer is not None, f"no process started with pid {pid} again in 50 tries"
+        with pytest.raises(peers.PeerRefused, match=f"pid {pid}"):
+            registry.register(token, int(pid), "session-1", [(0x10000, 4096, 1024)])
+    finally:
+        if newcomer is not None:
+            newcomer.kill()
+            newcomer.wait(timeout=30)
+        registry.close()
+        for conn in held:
+            conn.close()

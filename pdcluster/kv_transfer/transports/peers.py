@@ -7,8 +7,8 @@ the handshake); a consumer connects, and the kernel tells the producer the conne
 pid and uid (SO_PEERCRED), which no peer can forge. The producer answers a random token bound to
 that pid and keeps the connection; the consumer then registers its cache regions with the token
 over its authenticated gRPC session (ShmRegister). A registration belongs to that session, ends
-when the connection closes (the consumer exited) and holds a pidfd of the process, so a write
-never goes to a process that exited (nor to one that reused its pid).
+when the connection closes (the consumer exited) and holds a pidfd of the process, taken as it
+connected, so a write never goes to a process that exited (nor to one that reused its pid).
 
 Anything else (an unknown token or registration, another pid, blocks outside the regions, a
 process of another user) is refused and logged once.
@@ -16,9 +16,11 @@ process of another user) is refused and logged once.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -32,6 +34,7 @@ from pdcluster.pidfds import exited
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 256
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+: a pidfd of the connected process
 
 
 class PeerRefused(Exception):
@@ -71,7 +74,8 @@ class PeerRegistry:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)  # abstract: no file to leak or clean up
         self._listener.listen(64)
-        self._tokens: dict[str, tuple[int, socket.socket]] = {}  # token -> (pid, connection)
+        # token -> (pid, its pidfd, the connection it proved itself on)
+        self._tokens: dict[str, tuple[int, int, socket.socket]] = {}
         self._registrations: dict[str, Registration] = {}
         self._lock = threading.Lock()
         self._warn = WarnOnce(logger)
@@ -129,9 +133,15 @@ class PeerRegistry:
             self.refuse(f"peer pid {pid} uid {uid} (this producer's uid {os.getuid()}, {MAX_PEERS} peers at most)")
             conn.close()
             return None
+        try:
+            pidfd = peer_pidfd(conn, pid)
+        except OSError as exc:
+            self.refuse(f"peer pid {pid}: {exc}")
+            conn.close()
+            return None
         token = secrets.token_hex(16)
         with self._lock:
-            self._tokens[token] = (pid, conn)
+            self._tokens[token] = (pid, pidfd, conn)
         try:
             conn.sendall(token.encode() + b"\n")
         except OSError:
@@ -142,8 +152,8 @@ class PeerRegistry:
 
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
-            for token in [t for t, (_, c) in self._tokens.items() if c is conn]:
-                del self._tokens[token]
+            for token in [t for t, (_, _, c) in self._tokens.items() if c is conn]:
+                os.close(self._tokens.pop(token)[1])
                 for rid in [r for r, reg in self._registrations.items() if reg.token == token]:
                     os.close(self._registrations.pop(rid).pidfd)
         conn.close()
@@ -157,13 +167,16 @@ class PeerRegistry:
             raise PeerRefused(f"registration for pid {pid} without that process's token")
         if not regions or any(n <= 0 or row <= 0 for _, n, row in regions):
             raise PeerRefused("registration names no (or empty) regions")
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError as exc:
-            raise PeerRefused(f"pid {pid}: {exc}") from None
-        registration = Registration(secrets.token_hex(16), token, session, pid, pidfd, tuple(regions))
         with self._lock:
             if token not in self._tokens:  # the connection closed meanwhile
+                raise PeerRefused(f"pid {pid} disconnected while registering")
+            pidfd = os.dup(entry[1])  # the registration's own: it may outlive the connection's
+        if exited(pidfd):  # its connection's close not yet seen: its pid may run another process now
+            os.close(pidfd)
+            raise PeerRefused(f"pid {pid} exited before it registered")
+        registration = Registration(secrets.token_hex(16), token, session, pid, pidfd, tuple(regions))
+        with self._lock:
+            if token not in self._tokens:
                 os.close(pidfd)
                 raise PeerRefused(f"pid {pid} disconnected while registering")
             self._registrations[registration.id] = registration
@@ -196,7 +209,28 @@ class PeerRegistry:
             for registration in self._registrations.values():
                 os.close(registration.pidfd)
             self._registrations.clear()
+            for _, pidfd, _ in self._tokens.values():
+                os.close(pidfd)
             self._tokens.clear()
+
+
+def peer_pidfd(conn: socket.socket, pid: int) -> int:
+    """A pidfd of the process at the other end of `conn` (pid `pid` as it connected). The kernel's
+    own where it has one (SO_PEERPIDFD): that process's even once it exited. Elsewhere one opened
+    from the pid, kept only if the connection is still open after it: a process holding its end
+    has not exited, so no other process had its pid when the pidfd was opened."""
+    try:
+        return conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:
+        if exc.errno != errno.ENOPROTOOPT:
+            raise
+    pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(conn, select.POLLRDHUP)
+    if poller.poll(0):
+        os.close(pidfd)
+        raise OSError(errno.ESRCH, "it closed its connection (exited) before its pidfd was taken")
+    return pidfd
 
 
 def prove(name: str, timeout_s: float) -> tuple[socket.socket, str]:
