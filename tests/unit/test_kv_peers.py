@@ -388,3 +388,41 @@ def test_a_proven_consumer_whose_pid_is_reused_before_it_registers_is_refused(mo
         registry.close()
         for conn in held:
             conn.close()
+
+
+def test_an_ended_registration_is_not_alive_whatever_its_old_pidfd_number_holds_now():
+    """A push thread holds a registration (lookup) and asks alive() as it writes; the consumer
+    exits and the registry's thread ends the registration, closing its pidfd. The number is
+    free then, and the next descriptor opened gets it: alive() polled that one, a live process's
+    pidfd here, and said the consumer was alive."""
+    registry = peers.PeerRegistry("ended")
+    prover = subprocess.Popen(
+        [sys.executable, "-c", PROVER + "sys.stdin.read()\n", registry.name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    opened = []
+    try:
+        pid, token = prover.stdout.readline().split()
+        registration_id = registry.register(token, int(pid), "session-1", [(0x10000, 4096, 1024)])
+        registration = registry.lookup(registration_id, "session-1", int(pid))  # as a push holds it
+        number = registration.pidfd
+        prover.stdin.close()  # the consumer exits
+        assert prover.wait(timeout=60) == 0
+        deadline = time.monotonic() + 60
+        while registration_id in registry._registrations:  # the registry's thread ends it
+            assert time.monotonic() < deadline, "the registration outlived its consumer's connection"
+            time.sleep(0.01)  # poll interval
+        while len(opened) < 256 and number not in opened:  # the next descriptors: a live process's
+            opened.append(os.pidfd_open(os.getpid()))
+        assert number in opened, f"descriptor {number} was not opened again"
+        assert not registration.alive()
+    finally:
+        for fd in opened:
+            os.close(fd)
+        if prover.poll() is None:
+            prover.kill()
+            prover.wait(timeout=30)
+        prover.stdout.close()
+        registry.close()

@@ -26,7 +26,7 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.logs import WarnOnce
 from pdcluster.pidfds import exited
@@ -49,10 +49,22 @@ class Registration:
     pid: int
     pidfd: int
     regions: tuple[tuple[int, int, int], ...]  # per layer: (address, bytes, bytes per block)
+    # A push thread asks alive() while the registry's thread may end the registration: the pidfd
+    # is closed only under this lock, and never polled once closed (its number may be reused).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _ended: bool = field(default=False, repr=False, compare=False)
 
     def alive(self) -> bool:
-        """False once the registered process exited (its pidfd became readable)."""
-        return not exited(self.pidfd)
+        """False once the registered process exited (its pidfd became readable) or the
+        registration ended (its connection closed, or the registry)."""
+        with self._lock:
+            return not self._ended and not exited(self.pidfd)
+
+    def end(self) -> None:
+        with self._lock:
+            if not self._ended:
+                self._ended = True
+                os.close(self.pidfd)
 
     def destinations(self, block_ids: Sequence[int], layers: range) -> list[int]:
         """Addresses of layer `layers` in the registered regions (refused if a block is outside)."""
@@ -155,7 +167,7 @@ class PeerRegistry:
             for token in [t for t, (_, _, c) in self._tokens.items() if c is conn]:
                 os.close(self._tokens.pop(token)[1])
                 for rid in [r for r, reg in self._registrations.items() if reg.token == token]:
-                    os.close(self._registrations.pop(rid).pidfd)
+                    self._registrations.pop(rid).end()
         conn.close()
 
     # -- registrations ---------------------------------------------------------------------
@@ -207,7 +219,7 @@ class PeerRegistry:
         self._wake.close()
         with self._lock:
             for registration in self._registrations.values():
-                os.close(registration.pidfd)
+                registration.end()
             self._registrations.clear()
             for _, pidfd, _ in self._tokens.values():
                 os.close(pidfd)
