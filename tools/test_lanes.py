@@ -17,7 +17,8 @@ that the two end together (both lanes' durations are printed; move a module when
 
 The clusters lane prints as it runs; the engines lane's output follows when it is done. The
 exit status is the first non-zero one (pytest's 5, no tests collected, counts as a failure).
-Arguments are passed to both pytest sessions (e.g. `-x`, `-k name`).
+Arguments are passed to both pytest sessions (e.g. `-x`, `-k name`). With PDCLUSTER_TEST_TIMELINE
+set to a directory, each lane writes every test's wall and CPU time there (tools/test_timeline.py).
 
 Ray's memory monitor is off for the Ray clusters the lanes start (LANE_ENV). Where the kernel
 groups threads by session for scheduling (autogroup) and this runs as root,
@@ -90,6 +91,12 @@ def lanes(extra: list[str]) -> dict[str, list[str]]:
     return {"clusters": [*clusters, *extra], "engines": ["tests", *ignored, *extra]}
 
 
+def timeline_args() -> list[str]:
+    """Each test's time and CPU, where PDCLUSTER_TEST_TIMELINE names a directory for them
+    (tools/test_timeline.py)."""
+    return ["-p", "tools.test_timeline"] if os.environ.get("PDCLUSTER_TEST_TIMELINE") else []
+
+
 def main(argv: list[str]) -> int:
     with threads_scheduled_alone() as done:
         if done:
@@ -105,7 +112,7 @@ def run_lanes(argv: list[str]) -> int:
     logs = {}
     for lane, args in lanes(argv).items():
         env = dict(os.environ, PDCLUSTER_TEST_LANE=lane, **LANE_ENV)
-        cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, f"--basetemp={base / lane}", *args]
+        cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, *timeline_args(), f"--basetemp={base / lane}", *args]
         if lane == "clusters":
             out = None  # inherits this terminal: printed as it runs
         else:
