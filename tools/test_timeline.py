@@ -5,7 +5,8 @@ CPU work: a test that starts processes costs the other lane too. With PDCLUSTER_
 set to a directory, `make test` (tools/test_lanes.py) loads this plugin into both lanes, and each
 writes `timeline-<lane>.jsonl` there: one row per test with when it started (seconds into its
 lane), its wall time, this process's CPU time and that of the child processes reaped meanwhile
-(engines and interpreters the test started and stopped; a fixture's engines count where they stop).
+(engines and interpreters the test started and stopped; a fixture's engines count where they stop;
+a Ray cluster's processes, which `up` leaves running on their own, are counted nowhere).
 
     PDCLUSTER_TEST_TIMELINE=/tmp/timeline make test
     python tools/test_timeline.py /tmp/timeline [--top 20]
