@@ -89,7 +89,8 @@ class EngineActor:
         return kv
 
     async def start(self) -> dict[str, Any]:
-        """Start the engine; returns info() once it serves. Idempotent."""
+        """Start the engine; returns info() once it serves. Idempotent once it served; an actor
+        whose start failed is spent (its secret file is gone): the controller starts a new one."""
         from pdcluster.engine.host import EngineHost
 
         async with self._start_lock:
