@@ -180,17 +180,12 @@ class PeerRegistry:
         if not regions or any(n <= 0 or row <= 0 for _, n, row in regions):
             raise PeerRefused("registration names no (or empty) regions")
         with self._lock:
-            if token not in self._tokens:  # the connection closed meanwhile
+            if token not in self._tokens:  # the connection closed meanwhile (its pidfd with it)
                 raise PeerRefused(f"pid {pid} disconnected while registering")
-            pidfd = os.dup(entry[1])  # the registration's own: it may outlive the connection's
-        if exited(pidfd):  # its connection's close not yet seen: its pid may run another process now
-            os.close(pidfd)
-            raise PeerRefused(f"pid {pid} exited before it registered")
-        registration = Registration(secrets.token_hex(16), token, session, pid, pidfd, tuple(regions))
-        with self._lock:
-            if token not in self._tokens:
-                os.close(pidfd)
-                raise PeerRefused(f"pid {pid} disconnected while registering")
+            if exited(entry[1]):  # its connection's close not yet seen: its pid may run another process
+                raise PeerRefused(f"pid {pid} exited before it registered")
+            # a pidfd of its own: the registration may outlive the connection's
+            registration = Registration(secrets.token_hex(16), token, session, pid, os.dup(entry[1]), tuple(regions))
             self._registrations[registration.id] = registration
         return registration.id
 
