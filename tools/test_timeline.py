@@ -40,7 +40,6 @@ class Timeline:
     """The plugin: one JSON row per test (setup, call and teardown together)."""
 
     def __init__(self, path: Path):
-        self.path = path
         self.began = time.monotonic()
         path.parent.mkdir(parents=True, exist_ok=True)
         self.out = path.open("w", buffering=1)
