@@ -179,6 +179,40 @@ def test_a_lookup_cancelled_for_a_new_key_does_not_cancel_the_one_after_it(serve
         pulls_ahead.shutdown()
 
 
+def test_a_lookup_asked_again_after_a_cancel_is_held_while_the_cancelled_calls_thread_finishes(served, monkeypatch):
+    """The server allows one held lookup here. Request 2 joins request 1's held lookup: the held
+    call is cancelled and asked again with both keys. The cancelled call's thread had not yet
+    returned (held back here until the new call is in) when the new call came: its slot still
+    counted, so the new call was answered at once, unheld, and the consumer asked a third time
+    after its retry pause (a lease filed meanwhile found that much later). A cancelled call's slot
+    is free the moment gRPC reports the cancel."""
+    monkeypatch.setattr(ahead, "LOOKUP_HOLD_S", HOLD_S)
+    producer, server, client = served
+    holds: list[float] = []
+    second_in = threading.Event()
+    handouts = producer.handouts
+
+    def counted(keys, wait_s, stop):
+        holds.append(wait_s)
+        if len(holds) > 1:
+            second_in.set()
+        found = handouts(keys, wait_s, stop)
+        if len(holds) == 1:  # the cancelled call's thread, descheduled before it returns
+            second_in.wait(WAIT_S)
+        return found
+
+    monkeypatch.setattr(producer, "handouts", counted)
+    pulls_ahead = ahead_pulls(lambda endpoint: client, [])
+    try:
+        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
+        wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
+        pulls_ahead.add(awaiting("r-2", "2" * 32, server.address))
+        wait_until(second_in.is_set, "the lookup is asked again with both keys")
+        assert holds[1] == HOLD_S, f"the call asked again was answered unheld: holds {holds}"
+    finally:
+        pulls_ahead.shutdown()
+
+
 def test_the_requests_of_every_producer_are_looked_up_while_others_hold_their_lookups(monkeypatch):
     """Five producers, a request awaiting each; the first four's leases never come (their
     lookups stay held for a minute). The fifth's lease, filed next, is found: each producer

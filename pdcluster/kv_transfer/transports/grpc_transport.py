@@ -12,7 +12,6 @@ decoded to zero-copy views and handed to the sink, which writes them into the lo
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -156,15 +155,28 @@ class _Servicer:
         with self._lock:
             held = self.lookups_held < self.max_held
             self.lookups_held += held
+
+        def free_slot() -> None:  # once, from whichever comes first: the RPC's end or the answer
+            nonlocal held
+            with self._lock:
+                self.lookups_held -= held
+                held = False
+
+        def ended() -> None:
+            # gRPC runs this on its polling thread as it learns of the cancel, before it hands
+            # out the calls that came after: a consumer's call asked again at once is held, not
+            # turned away because the cancelled call's thread has not returned yet.
+            self.producer.end_hold(stop)
+            free_slot()
+
         stop = threading.Event()
         try:
             if held:
-                context.add_callback(functools.partial(self.producer.end_hold, stop))
+                context.add_callback(ended)
             found = self.producer.handouts(list(request.keys), request.wait_ms / 1000 if held else 0.0, stop)
         finally:
             stop.set()  # answered: the RPC's end (its callback) has no waiting lookup to wake
-            with self._lock:
-                self.lookups_held -= held
+            free_slot()
         return pb.HandoutsResponse(
             handouts=[
                 pb.Handout(key=key, params_json=params, first_token=token) for key, (params, token) in found.items()
