@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import psutil
@@ -28,6 +27,7 @@ from pdcluster.kv_transfer.transports import create_transport, peers, rpc
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.rpc import SERVICE
 from pdcluster.protos import kv_transfer_pb2 as pb
+from tests.support.pids import skip_unless_pids_can_be_reused, start_with_pid
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, SECRET, assert_copied, pull, running_producer, settings
 
@@ -339,21 +339,6 @@ PROVER = (  # a consumer that proves itself, says who it is and what it was give
     "sock, token = prove(sys.argv[1], 30)\n"
     "print(os.getpid(), token, flush=True)\n"
 )
-NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"  # the pid the kernel gave last: the next is one past it
-
-
-def start_with_pid(pid: int, tries: int = 50) -> subprocess.Popen | None:
-    """A process given `pid` (free again): the kernel's next pid set to it, then a start; None
-    where no try got it (another process's start took it first)."""
-    for _ in range(tries):
-        with open(NS_LAST_PID, "w") as f:
-            f.write(str(pid - 1))
-        process = subprocess.Popen(["sleep", "600"])
-        if process.pid == pid:
-            return process
-        process.kill()
-        process.wait(timeout=30)
-    return None
 
 
 @pytest.mark.parametrize("kernels_pidfd", [True, False], ids=["SO_PEERPIDFD", "pidfd_open"])
@@ -364,11 +349,7 @@ def test_a_proven_consumer_whose_pid_is_reused_before_it_registers_is_refused(mo
     has not yet seen the connection close (held back here): the pid was looked up again at
     registration, and found the newcomer. Also where the kernel offers no pidfd of a socket's peer
     (before Linux 6.5; an option number no kernel knows stands in for it here)."""
-    try:
-        with open(NS_LAST_PID, "w") as f:  # what start_with_pid does (root, not in a container)
-            f.write(Path(NS_LAST_PID).read_text())
-    except OSError as exc:
-        pytest.skip(f"{NS_LAST_PID} cannot be written here ({exc.strerror}): no pid is given again on purpose")
+    skip_unless_pids_can_be_reused()
     if not kernels_pidfd:
         monkeypatch.setattr(peers, "SO_PEERPIDFD", 9999)
     registry = peers.PeerRegistry("reuse")
@@ -382,7 +363,6 @@ def test_a_proven_consumer_whose_pid_is_reused_before_it_registers_is_refused(mo
         assert prover.returncode == 0, prover.stderr[-2000:]
         pid, token = prover.stdout.split()
         newcomer = start_with_pid(int(pid))
-        assert newcomer is not None, f"no process started with pid {pid} again in 50 tries"
         with pytest.raises(peers.PeerRefused, match=f"pid {pid}"):
             registry.register(token, int(pid), "session-1", [(0x10000, 4096, 1024)])
     finally:
