@@ -18,11 +18,12 @@ import pytest
 
 from pdcluster.errors import KVTransferError
 from pdcluster.kv_transfer.staging import BlockScatterer
-from pdcluster.kv_transfer.transports import create_transport
+from pdcluster.kv_transfer.transports import create_transport, peers
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.shm import ONE_SIDED_MARGIN_S
 from pdcluster.protos import kv_transfer_pb2 as pb
 from tests.support.handoff import wait_for
+from tests.support.pids import skip_unless_pids_can_be_reused, start_with_pid
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, consumer_main, running_producer, settings
 
@@ -231,6 +232,41 @@ def test_no_one_sided_read_from_a_producer_that_exited():
             pull("req-c", [1, 2])
         assert not sinks[-1].one_sided
     finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kernels_pidfd", [True, False], ids=["SO_PEERPIDFD", "pidfd_open"])
+def test_the_producer_watched_is_the_one_proven_not_what_has_its_pid_by_then(monkeypatch, kernels_pidfd):
+    """The consumer watches the process a direct pull's notice named: its one-sided reads go to
+    that pid while the watch says it lives. The producer exits right after its notice, and a
+    newcomer starts with its pid before the consumer's thread opens its watch (held back here): a
+    pidfd opened from the pid was then the newcomer's ("alive"), and later one-sided reads would
+    have read the newcomer's memory as KV. The watch is now the process proven on the consumer's
+    peer connection (the kernel's pidfd of it, or, before Linux 6.5, one opened while it still
+    held its end: an option number no kernel knows stands in for that here): exited."""
+    skip_unless_pids_can_be_reused()
+    if not kernels_pidfd:
+        monkeypatch.setattr(peers, "SO_PEERPIDFD", 9999)
+    consumer = make_cache(fill="zeros")
+    scatterer = BlockScatterer(consumer, CHUNK)
+    noticed: list[int] = []
+    with running_producer() as (address, _):
+        client = create_transport("shm", settings()).connect(address)
+        monkeypatch.setattr(client, "_watch_peer_process", noticed.append)  # its thread, held back
+        client.handshake(consumer.layout, "decode-0")
+        scatterer.begin([5, 6, 7, 8, 9])
+        client.pull("req-a", REQUESTS["req-a"], CacheSink(scatterer), engine_id="decode-0", timeout_s=20)
+        assert_copied(consumer, "req-a", [5, 6, 7, 8, 9])
+    newcomer = None
+    try:
+        [pid] = noticed
+        newcomer = start_with_pid(pid)
+        type(client)._watch_peer_process(client, pid)  # the watch opened only now
+        assert not client._peer_alive(pid), f"pid {pid}'s newcomer watched as the producer"
+    finally:
+        if newcomer is not None:
+            newcomer.kill()
+            newcomer.wait(timeout=30)
         client.close()
 
 

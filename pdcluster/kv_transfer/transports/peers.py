@@ -137,8 +137,7 @@ class PeerRegistry:
             conn, _ = self._listener.accept()
         except OSError:
             return None
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _ = struct.unpack("3i", creds)
+        pid, uid = peer_credentials(conn)
         with self._lock:
             full = len(self._tokens) >= MAX_PEERS
         if uid != os.getuid() or pid <= 0 or full:
@@ -219,6 +218,14 @@ class PeerRegistry:
             for _, pidfd, _ in self._tokens.values():
                 os.close(pidfd)
             self._tokens.clear()
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel recorded them:
+    the connecting process's on a listener's side, the listening process's on a client's."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
 
 
 def peer_pidfd(conn: socket.socket, pid: int) -> int:

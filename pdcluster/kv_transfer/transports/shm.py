@@ -93,6 +93,10 @@ class ShmClient(GrpcClient):
         # producer forget the registration a pull in flight named (and refuse that pull).
         self._registration = ""
         self._proof: socket.socket | None = None  # the peer connection it was proven on
+        # (pid, pidfd) of the producer's process at the other end of that connection, as the
+        # kernel knows it: the process a notice names is watched through this pidfd, not one
+        # opened from the notice's pid (by then the pid may be another process's).
+        self._proven: tuple[int, int] | None = None
         # Taken after the session's lock, never before: a new session's hooks forget the
         # registration under the session's lock (_register takes its metadata first).
         self._registering = threading.Lock()
@@ -107,15 +111,19 @@ class ShmClient(GrpcClient):
         self._replace_peer_process()
 
     def _watch_peer_process(self, pid: int) -> None:
+        """Watch the process a notice named: the one proven at the other end of our peer
+        connection, else none (no one-sided reads until a notice names that one)."""
         with self._peer_lock:
             if self._peer_process is not None and self._peer_process[0] == pid:
                 return
-        try:
-            watched = (pid, os.pidfd_open(pid))
-        except OSError as exc:  # exited already, or no pidfds here: no one-sided reads
-            logger.info("cannot watch KV producer pid %d (%s): pulls ask it first", pid, exc)
-            watched = None
-        self._replace_peer_process(watched)
+            proven = self._proven
+            watched = (pid, os.dup(proven[1])) if proven is not None and proven[0] == pid else None
+            unwatched, self._peer_process = self._peer_process, watched
+            if unwatched is not None:
+                os.close(unwatched[1])
+        if watched is None:
+            why = f"its peer connection's process is pid {proven[0]}" if proven else "no pidfd of its peer connection"
+            logger.info("cannot watch KV producer pid %d (%s): pulls ask it first", pid, why)
 
     def _replace_peer_process(self, successor: tuple[int, int] | None = None) -> None:
         """Close the watched pidfd; watch `successor` (pid, pidfd) instead, if given."""
@@ -191,6 +199,10 @@ class ShmClient(GrpcClient):
             if self._proof is not None:
                 self._proof.close()
                 self._proof = None
+            with self._peer_lock:
+                proven, self._proven = self._proven, None
+                if proven is not None:
+                    os.close(proven[1])
 
     def _register(self, sink: CacheSink) -> str:
         """Prove which process we are on the producer's peer socket and register our cache
@@ -207,6 +219,7 @@ class ShmClient(GrpcClient):
                 proof, token = peers.prove(self.shm_socket, self.settings.connect_timeout_seconds)
             except OSError as exc:
                 raise DirectRefused(f"peer socket of {self.endpoint}: {exc}") from exc
+            proven = self._proven_producer(proof)
             request = pb.ShmRegisterRequest(
                 token=token,
                 pid=os.getpid(),
@@ -220,12 +233,26 @@ class ShmClient(GrpcClient):
                 )
             except grpc.RpcError as exc:
                 proof.close()
+                if proven is not None:
+                    os.close(proven[1])
                 error = translate(exc, self.endpoint, "KV shm registration")
                 if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
                     raise DirectRefused(str(error)) from None
                 raise error from None
             self._proof, self._registration = proof, reply.registration
+            with self._peer_lock:
+                self._proven = proven
             return self._registration
+
+    def _proven_producer(self, proof: socket.socket) -> tuple[int, int] | None:
+        """(pid, pidfd) of the producer's process, from our peer connection to it; None where no
+        pidfd can be had (one-sided reads then stay off)."""
+        pid, _ = peers.peer_credentials(proof)
+        try:
+            return pid, peers.peer_pidfd(proof, pid)
+        except OSError as exc:
+            logger.info("no pidfd of KV producer %s (pid %d): %s", self.endpoint, pid, exc)
+            return None
 
     def _attach(self, name: str, size: int) -> Segment:
         with self._segments_lock:
