@@ -103,6 +103,13 @@ def ahead_pulls(
     )
 
 
+def join_the_held_lookup(pulls_ahead: AheadPulls, server) -> None:
+    """Request 1 awaits the producer (its lookup held), then request 2 starts awaiting it too."""
+    pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
+    wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
+    pulls_ahead.add(awaiting("r-2", "2" * 32, server.address))
+
+
 def test_a_cancelled_lookup_frees_the_producers_thread_and_held_lookups_are_capped(served):
     producer, server, client = served
     cancel, first = threading.Event(), []
@@ -133,9 +140,7 @@ def test_a_request_that_starts_awaiting_joins_the_held_lookup_at_once(served, mo
     pulls: list[PullSpec] = []
     pulls_ahead = ahead_pulls(lambda endpoint: client, pulls)
     try:
-        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
-        wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
-        pulls_ahead.add(awaiting("r-2", "2" * 32, server.address))
+        join_the_held_lookup(pulls_ahead, server)
         producer.leases.add("req-2", [3], time.monotonic() + 60, key="2" * 32, handout=lease("req-2", 9))
         wait_until(lambda: len(pulls) == 1, "request 2's lease is found")
         assert pulls[0].request_id == "r-2" and pulls[0].remote_block_ids == (3,)
@@ -167,9 +172,7 @@ def test_a_lookup_cancelled_for_a_new_key_does_not_cancel_the_one_after_it(serve
     monkeypatch.setattr(producer, "handouts", counted)
     pulls_ahead = ahead_pulls(lambda endpoint: client, [])
     try:
-        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
-        wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
-        pulls_ahead.add(awaiting("r-2", "2" * 32, server.address))
+        join_the_held_lookup(pulls_ahead, server)
         both = ["1" * 32, "2" * 32]
         wait_until(lambda: asked[-1] == both and server.lookups_held == 1, "both requests' lookup is held")
         # Nothing changes from here on: a further call can only be one cancelled for nothing.
@@ -204,9 +207,7 @@ def test_a_lookup_asked_again_after_a_cancel_is_held_while_the_cancelled_calls_t
     monkeypatch.setattr(producer, "handouts", counted)
     pulls_ahead = ahead_pulls(lambda endpoint: client, [])
     try:
-        pulls_ahead.add(awaiting("r-1", "1" * 32, server.address))
-        wait_until(lambda: server.lookups_held == 1, "request 1's lookup is held")
-        pulls_ahead.add(awaiting("r-2", "2" * 32, server.address))
+        join_the_held_lookup(pulls_ahead, server)
         wait_until(second_in.is_set, "the lookup is asked again with both keys")
         assert holds[1] == HOLD_S, f"the call asked again was answered unheld: holds {holds}"
     finally:
