@@ -231,10 +231,12 @@ class ShmClient(GrpcClient):
                     metadata=metadata,
                     timeout=self.settings.connect_timeout_seconds,
                 )
-            except grpc.RpcError as exc:
+            except BaseException as exc:
                 proof.close()
                 if proven is not None:
                     os.close(proven[1])
+                if not isinstance(exc, grpc.RpcError):
+                    raise
                 error = translate(exc, self.endpoint, "KV shm registration")
                 if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
                     raise DirectRefused(str(error)) from None
@@ -247,11 +249,11 @@ class ShmClient(GrpcClient):
     def _proven_producer(self, proof: socket.socket) -> tuple[int, int] | None:
         """(pid, pidfd) of the producer's process, from our peer connection to it; None where no
         pidfd can be had (one-sided reads then stay off)."""
-        pid, _ = peers.peer_credentials(proof)
         try:
+            pid, _ = peers.peer_credentials(proof)
             return pid, peers.peer_pidfd(proof, pid)
         except OSError as exc:
-            logger.info("no pidfd of KV producer %s (pid %d): %s", self.endpoint, pid, exc)
+            logger.info("no pidfd of KV producer %s: %s", self.endpoint, exc)
             return None
 
     def _attach(self, name: str, size: int) -> Segment:
