@@ -163,9 +163,10 @@ class _Servicer:
                 held = False
 
         def ended() -> None:
-            # gRPC runs this on its polling thread as it learns of the cancel, before it hands
-            # out the calls that came after: a consumer's call asked again at once is held, not
-            # turned away because the cancelled call's thread has not returned yet.
+            # gRPC runs this on its polling thread when the cancel reaches the server (the thread
+            # that also hands out new calls): a consumer's call asked again right after its
+            # cancel finds the slot free, though the cancelled call's thread may not have
+            # returned yet (it would be answered at once, unheld, and asked a third time).
             self.producer.end_hold(stop)
             free_slot()
 
