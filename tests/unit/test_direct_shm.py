@@ -22,10 +22,17 @@ from pdcluster.kv_transfer.transports import create_transport, peers
 from pdcluster.kv_transfer.transports.base import CacheSink
 from pdcluster.kv_transfer.transports.shm import ONE_SIDED_MARGIN_S
 from pdcluster.protos import kv_transfer_pb2 as pb
+from tests.support.cma import skip_unless_cross_process_copies
 from tests.support.handoff import wait_for
 from tests.support.pids import skip_unless_pids_can_be_reused, start_with_pid
 from tests.unit.kv_fixtures import make_cache
 from tests.unit.kv_producer import CHUNK, REQUESTS, assert_copied, consumer_main, running_producer, settings
+
+
+@pytest.fixture(autouse=True)
+def direct_path_allowed():
+    """Every test here needs cross-process copies (elsewhere the backend uses its ring)."""
+    skip_unless_cross_process_copies()
 
 
 def test_direct_pulls_after_the_first_read_early_and_survive_a_stale_peer(producer_process):

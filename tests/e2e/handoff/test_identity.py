@@ -14,6 +14,7 @@ import pytest
 from pdcluster.keys import KV_PARAMS, derive_key
 from pdcluster.kv_transfer.params import KVParams
 from tests.e2e.handoff.common import BLOCK, DTYPE, assert_same
+from tests.support.cma import skip_unless_cross_process_copies
 from tests.support.engines import MAX_MODEL_LEN
 from tests.support.handoff import complete, greedy, handoff, info, wait_for
 from tests.support.identity import assert_same_greedy, compare
@@ -176,6 +177,7 @@ def test_shm_decode_reads_live_leases_without_asking_the_prefill(engines):
     """Once a pull taught it the prefill's addresses, the shm decode reads each live lease's
     blocks itself (one-sided: kv_pulls_one_sided counts them), token for token what the
     aggregated engine says."""
+    skip_unless_cross_process_copies()
     decode = engines["decode-shm"]
     pulled = info(decode)["stats"]["kv_pulls_ok"]
     handoff(engines["prefill"], decode, token_prompt(BLOCK + 7, offset=71), 2)
