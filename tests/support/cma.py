@@ -10,23 +10,26 @@ import functools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-# A child reads its parent's memory: what a producer and a consumer do, neither a descendant of
-# the other (Yama's ptrace_scope 1 allows a process its descendants only).
+# A child reads its parent's memory through the backend's own copy (cma.copy): what a producer
+# and a consumer do, neither a descendant of the other (Yama's ptrace_scope 1 allows a process
+# its descendants only).
 READ_PARENT = """
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
+import sys
+import numpy as np
+from pdcluster.kv_transfer.transports import cma
 pid, address = int(sys.argv[1]), int(sys.argv[2])
-out = ctypes.create_string_buffer(8)
-local = (ctypes.c_void_p * 2)(ctypes.addressof(out), 8)
-remote = (ctypes.c_void_p * 2)(address, 8)
-libc.process_vm_readv.restype = ctypes.c_ssize_t
-if libc.process_vm_readv(pid, local, 1, remote, 1, 0) != 8:
-    sys.exit(os.strerror(ctypes.get_errno()))
-sys.stdout.write(out.raw.decode())
+out = np.zeros(8, dtype=np.uint8)
+try:
+    cma.copy(pid, np.array([[out.ctypes.data, 8]], dtype=np.uint64), np.array([[address, 8]], dtype=np.uint64))
+except OSError as exc:
+    sys.exit(exc.strerror)
+sys.stdout.write(out.tobytes().decode())
 """
+REPO = Path(__file__).resolve().parents[2]
 
 
 @functools.cache
@@ -35,6 +38,7 @@ def cross_process_copies_refused() -> str | None:
     probe = ctypes.create_string_buffer(b"cma-prob", 8)
     child = subprocess.run(
         [sys.executable, "-c", READ_PARENT, str(os.getpid()), str(ctypes.addressof(probe))],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
