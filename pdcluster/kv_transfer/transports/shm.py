@@ -116,11 +116,9 @@ class ShmClient(GrpcClient):
         with self._peer_lock:
             if self._peer_process is not None and self._peer_process[0] == pid:
                 return
-            proven = self._proven
+            proven = self._proven  # dup'd under the lock: _forget_registration closes it under it
             watched = (pid, os.dup(proven[1])) if proven is not None and proven[0] == pid else None
-            unwatched, self._peer_process = self._peer_process, watched
-            if unwatched is not None:
-                os.close(unwatched[1])
+        self._replace_peer_process(watched)
         if watched is None:
             why = f"its peer connection's process is pid {proven[0]}" if proven else "no pidfd of its peer connection"
             logger.info("cannot watch KV producer pid %d (%s): pulls ask it first", pid, why)
