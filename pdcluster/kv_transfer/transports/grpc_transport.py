@@ -155,6 +155,7 @@ class _Servicer:
         with self._lock:
             held = self.lookups_held < self.max_held
             self.lookups_held += held
+        stop = threading.Event()
 
         def free_slot() -> None:  # once, from whichever comes first: the RPC's end or the answer
             nonlocal held
@@ -170,7 +171,6 @@ class _Servicer:
             self.producer.end_hold(stop)
             free_slot()
 
-        stop = threading.Event()
         try:
             if held:
                 context.add_callback(ended)
