@@ -6,13 +6,15 @@ set to a directory, `make test` (tools/test_lanes.py) loads this plugin into bot
 writes `timeline-<lane>.jsonl` there: one row per test with when it started (seconds into its
 lane), its wall time, this process's CPU time and that of the child processes reaped meanwhile
 (engines and interpreters the test started and stopped; a fixture's engines count where they stop;
-a Ray cluster's processes, which `up` leaves running on their own, are counted nowhere).
+a Ray cluster's processes, which `up` leaves running on their own, are counted nowhere), and
+what the whole machine's cores were busy meanwhile (/proc/stat: both lanes, Ray, the kernel).
 
     PDCLUSTER_TEST_TIMELINE=/tmp/timeline make test
     python tools/test_timeline.py /tmp/timeline [--top 20]
 
 prints, per lane, each module's start and end (minutes into the lane), wall and CPU seconds, then
-the tests that spent the most CPU.
+the tests that spent the most CPU, and how busy the machine's cores were over the lane (a
+lane's time is the suite's CPU work only while that share stays near 100 %).
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ import pytest
 
 TIMELINE_ENV = "PDCLUSTER_TEST_TIMELINE"
 LANES = ("clusters", "engines")
+
+
+def _machine_busy() -> float | None:
+    """CPU-seconds the machine's cores have spent busy since boot (every process, the kernel's
+    own threads), or None where /proc/stat cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
 
 
 def _cpu() -> tuple[float, float]:
@@ -48,9 +62,11 @@ class Timeline:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         own, children = _cpu()
+        busy = _machine_busy()
         started = time.monotonic()
         yield
         own_after, children_after = _cpu()
+        busy_after = _machine_busy()
         row = {
             "id": item.nodeid,
             "start": round(started - self.began, 3),
@@ -58,6 +74,7 @@ class Timeline:
             "cpu": round(own_after - own, 3),
             "children_cpu": round(children_after - children, 3),
             "outcome": self.outcomes.pop(item.nodeid, "passed"),
+            "machine_busy": None if busy is None or busy_after is None else round(busy_after - busy, 3),
         }
         self.out.write(json.dumps(row) + "\n")
 
@@ -98,6 +115,11 @@ def summary(directory: Path, top: int = 20) -> str:
             ]
         lane = path.stem.removeprefix("timeline-")
         lines.append(f"== {lane}: {len(rows)} tests, {max(m[1] for m in modules.values()) / 60:.1f} min")
+        busy = [(row["wall"], row["machine_busy"]) for row in rows if row.get("machine_busy") is not None]
+        if busy:
+            cores, wall = os.cpu_count() or 1, sum(w for w, _ in busy)
+            share = sum(b for _, b in busy) / (wall * cores) if wall else 0.0
+            lines.append(f"the machine's {cores} cores were {share:.0%} busy while this lane's tests ran")
         lines.append(f"{'start':>6} {'end':>6} {'wall s':>7} {'CPU s':>7}  module")
         for module, (start, end, wall, cpu) in modules.items():
             lines.append(f"{start / 60:6.1f} {end / 60:6.1f} {wall:7.0f} {cpu:7.0f}  {module}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,8 @@ def test_the_timeline_has_a_row_per_test_with_its_outcome_and_its_childrens_cpu(
     }
     started, skipped = by_name["test_starts_a_process"], by_name["test_skipped"]
     assert started["children_cpu"] > 0 and skipped["children_cpu"] == 0
+    assert started["machine_busy"] > 0  # the machine's cores ran that process, at least
     assert skipped["start"] >= started["start"] + started["wall"] - 0.01  # one after the other
     text = summary(out)
     assert "== engines: 3 tests" in text and "test_inner.py::test_starts_a_process" in text
+    assert re.search(r"the machine's \d+ cores were \d+% busy while this lane's tests ran", text), text
