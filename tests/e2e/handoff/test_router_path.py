@@ -52,26 +52,35 @@ def test_router_streams_the_prefill_token_and_retries_an_unreachable_decode(engi
     assert all(count == 0 for count in inflight.values())
 
 
+UNLIMITED_CHAT = {
+    "model": NAME,
+    "messages": [{"role": "user", "content": "def f(x):"}],
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+@pytest.fixture(scope="module")
+def unlimited_chat_reference(engines):
+    """The aggregated engine's answer to UNLIMITED_CHAT (a whole context of tokens: asked once)."""
+    with engines["agg"].client() as client:
+        return client.post("/v1/chat/completions", json=UNLIMITED_CHAT).json()
+
+
 @pytest.mark.parametrize("decode_ahead", [False, True], ids=["after-prefill", "ahead"])
-def test_a_chat_without_an_output_limit_streams_to_the_context_length(engines, decode_ahead):
+def test_a_chat_without_an_output_limit_streams_to_the_context_length(engines, unlimited_chat_reference, decode_ahead):
     """A streamed chat with no max_tokens runs to the context length, as the aggregated engine
     answers it (the continuation, a completions request, stopped at 16 tokens after the first:
     vLLM's default for a completions request without max_tokens)."""
-    body = {
-        "model": NAME,
-        "messages": [{"role": "user", "content": "def f(x):"}],
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    with engines["agg"].client() as client:
-        reference = client.post("/v1/chat/completions", json=body).json()
+    body, reference = UNLIMITED_CHAT, unlimited_chat_reference
     usage = reference["usage"]
     assert usage["completion_tokens"] == MAX_MODEL_LEN - usage["prompt_tokens"] > 17
     replicas = [("prefill-0", "prefill", engines["prefill"].url), ("decode-0", "decode", engines["decode"].url)]
+    count = 2 if decode_ahead else 1  # under decode_ahead the first request's lease is the voucher
 
     async def requests(client):
         texts = []
-        for _ in range(2):  # under decode_ahead the first request's lease is the voucher
+        for _ in range(count):
             async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
                 assert response.status_code == 200
                 events = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
@@ -81,8 +90,8 @@ def test_a_chat_without_an_output_limit_streams_to_the_context_length(engines, d
     texts, metrics, _ = through_router(
         engines, replicas, requests, max_model_len=MAX_MODEL_LEN, decode_ahead=decode_ahead
     )
-    assert texts == [reference["choices"][0]["message"]["content"]] * 2
-    assert 'pdcluster_first_token_source_total{role="prefill"} 2.0' in metrics
+    assert texts == [reference["choices"][0]["message"]["content"]] * count
+    assert f'pdcluster_first_token_source_total{{role="prefill"}} {count}.0' in metrics
 
 
 def test_cached_tokens_in_usage_are_the_prefills_own_hit(engines):
