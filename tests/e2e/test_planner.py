@@ -60,12 +60,14 @@ def prefills(status) -> list[str]:
 
 def test_a_flood_of_long_prompts_adds_prefill_and_the_calm_after_removes_it(cluster):
     assert prefills(cluster.status()) == ["prefill-0"]
-    stop, failures, served = threading.Event(), [], [0]
+    stop, decided, failures, served = threading.Event(), threading.Event(), [], [0]
 
     def client(i: int) -> None:
         with httpx.Client(base_url=cluster.endpoint, timeout=300) as http:
             n = 0
-            while not stop.is_set():
+            # Once the planner asked for a second prefill, one client keeps the flood going (the
+            # planner holds while a replica starts): the other five only took CPU from that start.
+            while not stop.is_set() and not (i and decided.is_set()):
                 body = {"model": "tiny", "prompt": token_prompt(3000, offset=7919 * (8 * n + i)), "max_tokens": 2}
                 try:
                     response = http.post("/v1/completions", json={**body, "stream": True})
@@ -83,6 +85,7 @@ def test_a_flood_of_long_prompts_adds_prefill_and_the_calm_after_removes_it(clus
         added = cluster.wait_status(
             lambda s: (s.get("planner") or {}).get("rule") == "add_prefill", 120, "the planner to add prefill"
         )
+        decided.set()
         assert "TTFT p90" in added["planner"]["reason"] and added["planner"]["desired"]["prefill"] == 2
         cluster.wait_status(lambda s: len(prefills(s)) == 2, START_S, "the second prefill replica to serve")
         during = served[0]
