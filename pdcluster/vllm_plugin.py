@@ -20,6 +20,7 @@ same venv stays stock:
   - sampled requests with speculative decoding on CPU: vLLM's CPU fallback spreads their
     temperature, top_k and top_p over draft tokens as uninitialized memory, and a top_k-only
     step without drafts kills the engine core (compat.fix_cpu_spec_sampling).
+  - progress bars: tqdm's lock within the process (see keep_progress_bars_in_process).
 - `pdcluster_amx_permission` (`register_amx_permission`) only requests AMX permission, and only
   where VLLM_PLUGINS names it: the one fix a stock vLLM needs on AMX CPUs to decode on
   transferred KV at all (bench/serve.py's vLLM P/D baseline loads it there, and nothing else).
@@ -32,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import platform
+import threading
 
 from pdcluster import compat
 from pdcluster.engine.dtype import cpu_flags
@@ -106,6 +108,20 @@ def set_worker_spin(worker_spin_ms: float) -> None:
     compat.set_queue_reader_spin(worker_spin_ms / 1e3, min(recheck_ms, IDLE_RECHECK_MS))
 
 
+def keep_progress_bars_in_process() -> None:
+    """tqdm's bars (vLLM's weight loading) share one write lock across processes unless told
+    otherwise: a multiprocessing RLock, which a spawned process (an engine core) makes as a named
+    semaphore in /dev/shm. Only the resource tracker unlinks it when the process dies without
+    cleaning up, and a replica whose engine core died has its actor, tracker and all, killed:
+    each such death left a `sem.mp-*` file behind. An engine process's bars go to its own log,
+    so a lock within the process serves them. (tqdm's public `set_lock`; not a vLLM reach.)"""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no bars to lock
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def register() -> None:
     """Entry point `pdcluster_cpu_fixes`: our engine processes' fixes; nothing elsewhere."""
     if not compat.is_pdcluster_engine_process():
@@ -120,6 +136,7 @@ def register() -> None:
         set_worker_spin(spin_for_this_process(float(os.environ[WORKER_SPIN_ENV])))
     compat.keep_queue_pings()
     compat.fix_cpu_spec_sampling()  # sampled requests with MTP on CPU (compat/vllm_sampling.py)
+    keep_progress_bars_in_process()
     from pdcluster.kv_transfer import colocated
 
     compat.wait_between_idle_steps(colocated.idle_wait, colocated.outputs_queued)

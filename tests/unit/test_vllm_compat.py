@@ -75,8 +75,9 @@ def test_every_engine_pdcluster_starts_carries_the_marker():
 # One interpreter imports torch and vLLM's modules once, then forks a child per case; each
 # child takes its case's environment, loads the plugins and reports (a line per case).
 PROBE = """
-import json, logging, multiprocessing, os, sys
+import io, json, logging, multiprocessing, multiprocessing.synchronize, os, sys
 import torch
+import tqdm
 from vllm.plugins import load_general_plugins
 from vllm.v1.sample import rejection_sampler
 from pdcluster import compat, vllm_plugin
@@ -95,11 +96,19 @@ for case, env in enumerate(json.loads(sys.argv[1])):
     spread = rejection_sampler.expand_batch_to_tokens(
         torch.tensor([0.0, 0.75, 0.5]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, 0, 1
     ).tolist()
+    # the first progress bar of the process (vLLM's weight loading is one): the semaphores made for
+    # it, each a /dev/shm file in a spawned process such as an engine core
+    made = []
+    semlock_init = multiprocessing.synchronize.SemLock.__init__
+    multiprocessing.synchronize.SemLock.__init__ = lambda *a, **k: made.append(1) or semlock_init(*a, **k)
+    for _ in tqdm.tqdm(range(2), file=io.StringIO()):
+        pass
     print(json.dumps({"case": case, "report": {
         "spin_s": spin, "recheck_ms": recheck_ms, "pings_kept": compat.queue_pings_kept(),
         "pdcluster_logging": bool(logging.getLogger("pdcluster").handlers),
         "amx_asked": vllm_plugin._amx_requested is not None,
         "drafts_sampled_right": spread == [1.0, 1.0, 0.5, 0.5, 0.5],
+        "bar_semaphores": len(made),
     }}), flush=True)
     os._exit(0)
 """
@@ -140,6 +149,7 @@ STOCK = {
     "pings_kept": False,
     "pdcluster_logging": False,
     "drafts_sampled_right": False,
+    "bar_semaphores": 1,  # tqdm's lock shared across processes
 }
 
 
@@ -156,6 +166,7 @@ def test_a_process_pdcluster_launched_gets_the_fixes(probed):
         "pdcluster_logging": True,
         "amx_asked": True,
         "drafts_sampled_right": True,
+        "bar_semaphores": 0,  # none left in /dev/shm by an engine process killed with its tracker
     }
 
 
