@@ -2,7 +2,7 @@
 process group (signal 0); and which pid namespace a pid means something in.
 
 What a process leaves in a shared directory (its KV secret file, shm segments, its engine's
-private temp directories) is named after its maker, `<prefix><pid namespace>.<pid>-<rest>`
+private temp directories, the record of its engine's vLLM queues) is named after its maker, `<prefix><pid namespace>.<pid>-<rest>`
 (`maker_tag`): one killed (SIGKILL, the OOM killer) cannot remove it, and the next process of the
 same pid namespace that makes such things removes what it finds of makers that are gone
 (`remove_left_behind`). Several pid namespaces may share a directory (the test hosts share /tmp
@@ -80,10 +80,15 @@ def maker_tag() -> str:
 
 
 def remove_left_behind(
-    directory: str | Path, prefix: str, what: str, valid: Callable[[str], bool] | None = None
+    directory: str | Path,
+    prefix: str,
+    what: str,
+    valid: Callable[[str], bool] | None = None,
+    release: Callable[[Path], object] | None = None,
 ) -> None:
     """Remove this user's files and directories in `directory` named `<prefix><maker_tag>-...`
-    whose maker ran in this pid namespace and no longer runs (and whose name `valid` accepts)."""
+    whose maker ran in this pid namespace and no longer runs (and whose name `valid` accepts);
+    `release`, given each one first, removes what it names elsewhere."""
     namespace = pid_namespace()
     if not namespace:
         return  # where /proc does not say, a pid is not known to be this namespace's
@@ -94,6 +99,8 @@ def remove_left_behind(
                 continue
             if path.lstat().st_uid != os.getuid() or running(int(pid)):
                 continue
+            if release is not None:
+                release(path)
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             else:

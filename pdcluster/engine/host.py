@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from pdcluster import compat
@@ -28,6 +29,7 @@ from pdcluster.engine.kv_events import EVENTS_PATH, KVEventRelay
 from pdcluster.engine.lifetime import mark_host
 from pdcluster.engine.spec import EngineSpec
 from pdcluster.engine.stats import EngineStatsRecorder
+from pdcluster.engine.vllm_segments import record_segments, release, remove_left_segments
 from pdcluster.errors import ConfigError
 from pdcluster.kv_transfer.failures import FAILURE_SOCKET_ENV, FailureInbox
 from pdcluster.pidfds import private_dir
@@ -80,6 +82,7 @@ class EngineHost:
         self._sock: socket.socket | None = None
         self._failures: FailureInbox | None = None
         self._ipc_dir: str | None = None
+        self._segments: Path | None = None  # the record of vLLM's queues (vllm_segments.py)
         self.events: KVEventRelay | None = None  # KV cache events for cache-aware routing (kv_events.py)
 
     async def start(self) -> str:
@@ -103,6 +106,7 @@ class EngineHost:
         mark_host()  # the engine's processes, spawned below, die with this one (lifetime.py)
         self._bind_replica()  # before any thread or process of the engine starts
         self._ipc_dir = private_ipc_dir()
+        remove_left_segments()  # vLLM's queues of killed hosts (vllm_segments.py)
         if self.spec.role == "decode":
             # Why a KV pull failed reaches this process's answers (kv_errors.py); the engine's
             # processes, spawned below, inherit where to send it.
@@ -129,6 +133,7 @@ class EngineHost:
             usage_context=UsageContext.OPENAI_API_SERVER,
             stat_loggers=[lambda config, index=0: recorder],
         )
+        self._segments = record_segments()  # what the next host removes if this one is killed
         if self.events is not None:
             # Read once the engine core started: it may settle another block size than the
             # config asked (an attention backend's, a hybrid model's), which vLLM's client copies
@@ -301,6 +306,10 @@ class EngineHost:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._segments is not None:
+            release(self._segments)  # what vLLM's shutdown left (an engine that had died)
+            self._segments.unlink(missing_ok=True)
+            self._segments = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -6,9 +6,12 @@ beside the modules after it, and Ray's memory monitor killed the multi-host test
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tests.support.cluster import cluster_up, write_config
+from pdcluster.engine.vllm_segments import mapped_segments
+from tests.support.cluster import cluster_processes, cluster_up, write_config
 
 PD_SECRET = "reliability-secret-7f3a9c"
 PD_LEASE_S = 8
@@ -21,7 +24,9 @@ def pd_cluster(tmp_path_factory):
     config = write_config(
         home / "cluster.yaml",
         name="e2e-rel",
-        roles={"prefill": {"replicas": 2}, "decode": {"replicas": 2}},
+        # prefill keeps vLLM's worker process (its engine core and worker talk through /dev/shm
+        # queues, as every engine with tensor parallelism does): the cluster tests that path too
+        roles={"prefill": {"replicas": 2, "single_process": False}, "decode": {"replicas": 2}},
         model={"max_model_len": 4096},  # room for streams long enough to be killed mid-way
         kv_transfer={"secret_file": str(home / "secret"), "lease_seconds": PD_LEASE_S},
         router={
@@ -31,3 +36,9 @@ def pd_cluster(tmp_path_factory):
     )
     with cluster_up(home, config) as running:
         yield running
+        queues = {path for pid in cluster_processes(home, ("VLLM::",)) for path in mapped_segments(pid)}
+    # `down` left none of vLLM's queues between an engine core and its worker in /dev/shm (before,
+    # it could leave an engine's two, 400 MB: vLLM's shutdown ends its processes before they unlink
+    # them, and Ray kills the host's resource tracker with the host: engine/vllm_segments.py)
+    assert queues, "no engine process maps a queue to a worker: does prefill keep its worker process?"
+    assert [path for path in queues if os.path.exists(path)] == []

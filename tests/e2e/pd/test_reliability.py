@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdcluster.engine.vllm_segments import mapped_segments
 from pdcluster.keys import engine_http_token
 from tests.e2e.pd.conftest import PD_LEASE_S, PD_SECRET
 from tests.support.engines import engine_core
@@ -228,12 +229,16 @@ def test_a_replica_whose_engine_core_alone_dies_is_replaced(cluster, client, kil
     """Only vLLM's engine core of a replica dies (SIGKILL of VLLM::EngineCore; its actor lives on):
     the actor reports the engine unhealthy, the controller retires the replica as dead, kills its
     actor and starts another, and the cluster serves throughout (the dead engine's HTTP server
-    stops: a request sent its way is retried on the other prefill)."""
+    stops: a request sent its way is retried on the other prefill). vLLM's queues between the
+    dead engine core and its worker (/dev/shm) are gone once the replacement runs; before, each
+    replica replaced this way left them (400 MB of /dev/shm here: engine/vllm_segments.py)."""
     status = cluster.wait_status(lambda s: len(ready(s, "prefill")) == 2, 300, "two prefill replicas")
     victim = ready(status, "prefill")[0]
     victim_url = next(r["url"] for r in status["replicas"] if r["replica"] == victim)
     actor = psutil.Process(kill.pid_of(victim))
     core = engine_core(actor.pid)
+    queues = mapped_segments(core.pid)
+    assert len(queues) >= 2, "prefill's engine core maps no queue to a worker: does it keep its worker process?"
     core.kill()
     # Requests from the moment the host knows, or its replica is gone (a request vLLM took in the
     # instant before is in flight on the dead engine: its error is its answer).
@@ -255,6 +260,7 @@ def test_a_replica_whose_engine_core_alone_dies_is_replaced(cluster, client, kil
     assert dead and dead[0]["transitions"][-1][1] == "dead"
     assert dead[0]["error"] == "engine died"  # status says why it was retired
     actor.wait(timeout=60)  # its actor was ended too (raises while it still runs)
+    assert [path for path in queues if os.path.exists(path)] == []
     assert stream_text(client, heldout_prompts()[18], 8)
 
 
