@@ -2,12 +2,12 @@
 process group (signal 0); and which pid namespace a pid means something in.
 
 What a process leaves in a shared directory (its KV secret file, shm segments, its engine's
-private temp directories, the record of its engine's vLLM queues) is named after its maker, `<prefix><pid namespace>.<pid>-<rest>`
-(`maker_tag`): one killed (SIGKILL, the OOM killer) cannot remove it, and the next process of the
-same pid namespace that makes such things removes what it finds of makers that are gone
-(`remove_left_behind`). Several pid namespaces may share a directory (the test hosts share /tmp
-and /dev/shm; two machines may share a TMPDIR), and a pid means nothing outside its own: what
-other namespaces made is left alone.
+private temp directories, the record of its engine's vLLM queues) is named after its maker,
+`<prefix><pid namespace>.<pid>.<start>-<rest>` (`maker_tag`): one killed (SIGKILL, the OOM
+killer) cannot remove it, and the next process of the same pid namespace that makes such things
+removes what it finds of makers that are gone (`remove_left_behind`). Several pid namespaces may
+share a directory (the test hosts share /tmp and /dev/shm; two machines may share a TMPDIR), and
+a pid means nothing outside its own: what other namespaces made is left alone.
 
 poll(), not select(): select() refuses descriptors past 1024 (ValueError), and a process holding
 many descriptors (connections to its ports, an engine's sockets) gets such numbers."""
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import select
 import shutil
 import tempfile
@@ -73,10 +74,49 @@ def namespace_id(boot_id: str, inode: int) -> str:
     return hashlib.blake2b(f"{boot_id}/{inode}".encode(), digest_size=6).hexdigest()
 
 
-def maker_tag() -> str:
-    """`<pid namespace>.<pid>` of this process, for the names of what it leaves in a shared
-    directory ("0" for the namespace where /proc does not say: never swept)."""
-    return f"{pid_namespace() or 0}.{os.getpid()}"
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` of this pid namespace started, in clock ticks since boot
+    (/proc/<pid>/stat); None once it ended, or where /proc shows another pid namespace's."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None  # /proc mounted for another pid namespace: its <pid> is another process
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return int(fields[19])  # field 22, starttime (those after the command's ")" begin at 3)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+START_MARK_DIGITS = 4
+
+
+def start_mark(pid: int) -> str | None:
+    """Process `pid`'s start, short: its start ticks modulo 36**4, in base 36 (4 characters: a
+    name must leave room for the Unix sockets made in a directory named so). A later process of
+    the same pid that started a multiple of 36**4 ticks later (4.7 h at 100 Hz) has the same
+    mark: its maker's file is then kept, as a sweep by the pid alone did."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return None
+    ticks %= len(_DIGITS) ** START_MARK_DIGITS
+    mark = ""
+    while True:
+        ticks, digit = divmod(ticks, len(_DIGITS))
+        mark = _DIGITS[digit] + mark
+        if not ticks:
+            return mark
+
+
+def maker_tag(pid: int | None = None) -> str:
+    """`<pid namespace>.<pid>.<start>` of process `pid` (default: this one), for the names of what
+    it leaves in a shared directory. The start (start_mark) tells it from a later process given
+    the same pid: a pid namespace made afresh (a container's, a test host's) hands out the same
+    pids run after run, and a sweep by the pid alone kept what the last run left for good. "0"
+    for the namespace where /proc does not say (never swept); no start where /proc does not
+    show it (the pid alone says)."""
+    pid = os.getpid() if pid is None else pid
+    mark = start_mark(pid)
+    return f"{pid_namespace() or 0}.{pid}" + ("" if mark is None else f".{mark}")
 
 
 def remove_left_behind(
@@ -93,11 +133,13 @@ def remove_left_behind(
     if not namespace:
         return  # where /proc does not say, a pid is not known to be this namespace's
     for path in Path(directory).glob(f"{prefix}{namespace}.*"):
-        pid = path.name[len(prefix) + len(namespace) + 1 :].partition("-")[0]
+        pid, _, mark = path.name[len(prefix) + len(namespace) + 1 :].partition("-")[0].partition(".")
         try:
-            if not pid.isdigit() or (valid is not None and not valid(path.name)):
+            if not pid.isdigit() or not _START_MARK.fullmatch(mark):
                 continue
-            if path.lstat().st_uid != os.getuid() or running(int(pid)):
+            if valid is not None and not valid(path.name):
+                continue
+            if path.lstat().st_uid != os.getuid() or _maker_runs(int(pid), mark or None):
                 continue
             if release is not None:
                 release(path)
@@ -111,6 +153,20 @@ def remove_left_behind(
             logger.warning("could not remove %s %s left by a process that is gone: %s", what, path.name, exc)
             continue
         logger.info("removed %s %s left by a process that is gone", what, path.name)
+
+
+_START_MARK = re.compile(f"[0-9a-z]{{0,{START_MARK_DIGITS}}}")  # empty: a name from before names carried it
+
+
+def _maker_runs(pid: int, mark: str | None) -> bool:
+    """Whether the process that made a file named after it (pid, start mark) still runs: a
+    process of that pid runs and, where the name has the maker's start, started then."""
+    if not running(pid):
+        return False
+    if mark is None:
+        return True  # a name from before names carried the start: the pid alone says
+    now = start_mark(pid)
+    return now is None or now == mark  # None: it ended meanwhile, or /proc cannot say
 
 
 UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its NUL)

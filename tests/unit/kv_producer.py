@@ -89,7 +89,7 @@ def producer_main(
                 server.auth._sessions.clear()
             conn.send("forgot")
     server.stop(0)
-    conn.send(os.getpid())
+    conn.send(owner_prefix(os.getpid()))  # while it runs: the names carry its start
 
 
 @contextlib.contextmanager
@@ -115,10 +115,10 @@ def running_producer(
         yield parent.recv(), parent
     finally:
         parent.send("stop")
-        pid = parent.recv()
+        prefix = parent.recv()
         proc.join(30)
         # Every segment is unlinked when the server stops.
-        assert not list(SHM_DIR.glob(f"{owner_prefix(pid)}*"))
+        assert not list(SHM_DIR.glob(f"{prefix}*"))
 
 
 def assert_copied(consumer, request_id, dst_ids) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pdcluster.engine.actor import write_secret_file
-from pdcluster.pidfds import namespace_id, pid_namespace
+from pdcluster.pidfds import maker_tag, namespace_id, pid_namespace, start_mark, start_ticks
 
 WRITER = (
     "import sys, time\n"
@@ -51,7 +51,8 @@ def test_a_killed_actors_secret_file_is_removed_by_the_next_engine_started_on_th
         with open(path) as f:
             assert f.read() == "the-secret"
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert os.path.basename(path).startswith(f"pdcluster-secret-{pid_namespace()}.{os.getpid()}-c-decode-1.")
+        assert os.path.basename(path).startswith(f"pdcluster-secret-{maker_tag()}-c-decode-1.")
+        assert maker_tag() == f"{pid_namespace()}.{os.getpid()}.{start_mark(os.getpid())}"
     finally:
         starting.kill()
         starting.wait(timeout=30)
@@ -77,6 +78,32 @@ def test_a_secret_file_of_another_pid_namespace_is_left_alone(tmp_path):
         path.write_text("the-secret")
     write_secret_file("c-prefill-0", "the-secret", str(tmp_path))
     assert all(path.exists() for path in elsewhere) and not here.exists()
+
+
+def test_a_file_whose_makers_pid_now_runs_a_later_process_is_removed(tmp_path):
+    """A pid namespace made afresh (a container's, each multi-node test host's) hands out the same
+    pids run after run: the sweep kept what the last run's killed process left as long as its pid
+    ran anything, which in such a namespace is the next run's process of that role, itself
+    sweeping. The name carries the maker's start: a process of that pid that started at another
+    time is not its maker. Names without the start (made before) still go by the pid alone."""
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        tag = maker_tag(later.pid)
+        started = start_ticks(later.pid)
+        mark = start_mark(later.pid)
+        assert started is not None and tag == f"{pid_namespace()}.{later.pid}.{mark}"
+        assert int(mark, 36) == started % 36**4
+        another = "zzzz" if mark != "zzzz" else "0"  # the start of the pid's last process
+        earlier = tmp_path / f"pdcluster-secret-{pid_namespace()}.{later.pid}.{another}-c-decode-0.a1.secret"
+        its_own = tmp_path / f"pdcluster-secret-{tag}-c-decode-1.a2.secret"
+        unstarted = tmp_path / f"pdcluster-secret-{pid_namespace()}.{later.pid}-c-decode-2.a3.secret"
+        for path in (earlier, its_own, unstarted):
+            path.write_text("the-secret")
+        write_secret_file("c-prefill-0", "the-secret", str(tmp_path))
+        assert not earlier.exists() and its_own.exists() and unstarted.exists()
+    finally:
+        later.kill()
+        later.wait(timeout=30)
 
 
 MAKERS = (  # two engines' three private directories each, made as the engine host makes them
@@ -127,7 +154,7 @@ def test_a_killed_engines_private_directories_are_removed_by_the_next_engine(mon
             made = private_ipc_dir()
             assert not any(os.path.exists(path) for path in left), left
             assert all(os.path.isdir(path) for path in kept)
-            assert os.path.basename(made).startswith(f"pdcluster-vllm-ipc-{pid_namespace()}.{os.getpid()}-")
+            assert os.path.basename(made).startswith(f"pdcluster-vllm-ipc-{maker_tag()}-")
         finally:
             inbox.close()
             relay.stop()

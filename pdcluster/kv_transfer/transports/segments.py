@@ -3,11 +3,11 @@
 A producer creates a segment per ring (O_EXCL: it never adopts a file someone else made) and
 unlinks it when its server stops; a consumer maps a segment it was told of, read-only. Names are
 random and only ever sent in reply to an authenticated call. They name their producer's pid
-namespace and pid (`pdcluster-kv-<pid namespace>.<pid>-<random>`): a producer that was killed
-leaves its segments behind (tmpfs pages), and the next one started in that pid namespace removes
-them (`remove_orphans`; several namespaces may share /dev/shm, as test hosts do). A segment's pages are allocated when
-it is made (posix_fallocate): a full /dev/shm is a clear error then, not a SIGBUS at the first
-write into a page tmpfs cannot back.
+namespace, pid and start (`pdcluster-kv-<pid namespace>.<pid>.<start>-<random>`, pidfds.maker_tag):
+a producer that was killed leaves its segments behind (tmpfs pages), and the next one started in
+that pid namespace removes them (`remove_orphans`; several namespaces may share /dev/shm, as test
+hosts do). A segment's pages are allocated when it is made (posix_fallocate): a full /dev/shm is
+a clear error then, not a SIGBUS at the first write into a page tmpfs cannot back.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import secrets
 from pathlib import Path
 
 from pdcluster.errors import KVTransferError
-from pdcluster.pidfds import pid_namespace, remove_left_behind
+from pdcluster.pidfds import maker_tag, remove_left_behind
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdcluster-kv-"
-# (a producer from before names carried the namespace: no namespace part)
-_NAME = re.compile(r"pdcluster-kv-(?:[0-9a-f]+\.)?[0-9]+-[0-9a-f]{16}")
+# (a producer from before names carried the namespace, or its start: no such part)
+_NAME = re.compile(r"pdcluster-kv-(?:[0-9a-f]+\.)?[0-9]+(?:\.[0-9a-z]{1,4})?-[0-9a-f]{16}")
 SLOTS = 4  # chunks in flight per pull (4 MiB each by default)
 _PAGE = mmap.PAGESIZE
 
@@ -107,7 +107,7 @@ class Ring:
 
 def owner_prefix(pid: int) -> str:
     """The start of the names of the segments process `pid` (of this pid namespace) makes."""
-    return f"{SEGMENT_PREFIX}{pid_namespace() or 0}.{pid}-"
+    return f"{SEGMENT_PREFIX}{maker_tag(pid)}-"
 
 
 def remove_orphans() -> None:
