@@ -91,7 +91,7 @@ def release(record: Path) -> list[str]:
             continue
         removed.append(path)
     if removed:
-        logger.info("removed vLLM's shared memory left by engine processes that were killed: %s", ", ".join(removed))
+        logger.info("removed vLLM's shared memory that engine processes ended without removing: %s", ", ".join(removed))
     return removed
 
 
