@@ -42,7 +42,7 @@ def mapped_segments(pid: int | str) -> dict[str, int]:
     name in /dev/shm): path -> inode. Empty once the process ended."""
     try:
         lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:  # it ended (or is not ours to read)
         return {}
     found: dict[str, int] = {}
     for fields in (line.split(maxsplit=5) for line in lines):
