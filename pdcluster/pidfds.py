@@ -88,6 +88,8 @@ def start_ticks(pid: int) -> int | None:
 
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 START_MARK_DIGITS = 4
+START_MARK = f"[0-9a-z]{{1,{START_MARK_DIGITS}}}"  # a start mark in a name (start_mark), as a regex
+_START_MARK = re.compile(f"(?:{START_MARK})?")  # empty: a name from before names carried it
 
 
 def start_mark(pid: int) -> str | None:
@@ -153,9 +155,6 @@ def remove_left_behind(
             logger.warning("could not remove %s %s left by a process that is gone: %s", what, path.name, exc)
             continue
         logger.info("removed %s %s left by a process that is gone", what, path.name)
-
-
-_START_MARK = re.compile(f"[0-9a-z]{{0,{START_MARK_DIGITS}}}")  # empty: a name from before names carried it
 
 
 def _maker_runs(pid: int, mark: str | None) -> bool:

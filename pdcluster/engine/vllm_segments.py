@@ -12,7 +12,8 @@ engine core that crashed), and often one `down` stopped cleanly, left its queues
 their pages held until the machine restarted. No process of the actor's can outlive it to remove
 them, so they are removed the way pdcluster removes what any killed process leaves (pidfds.py):
   - once its engine runs, a host records the segments its engine's processes map, in a file
-    named after the host (`pdcluster-vllm-shm-<pid namespace>.<pid>-*.json`, temp directory);
+    named after the host (`pdcluster-vllm-shm-<pid namespace>.<pid>.<start>-*.json`, temp
+    directory);
   - its stop, once the engine is shut down, unlinks what is left of them and the record;
   - a host killed leaves the record, and the next engine host started in the same pid namespace
     (the controller's replacement, at once) unlinks each recorded segment that is still the one

@@ -20,14 +20,14 @@ import secrets
 from pathlib import Path
 
 from pdcluster.errors import KVTransferError
-from pdcluster.pidfds import maker_tag, remove_left_behind
+from pdcluster.pidfds import START_MARK, maker_tag, remove_left_behind
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pdcluster-kv-"
 # (a producer from before names carried the namespace, or its start: no such part)
-_NAME = re.compile(r"pdcluster-kv-(?:[0-9a-f]+\.)?[0-9]+(?:\.[0-9a-z]{1,4})?-[0-9a-f]{16}")
+_NAME = re.compile(rf"pdcluster-kv-(?:[0-9a-f]+\.)?[0-9]+(?:\.{START_MARK})?-[0-9a-f]{{16}}")
 SLOTS = 4  # chunks in flight per pull (4 MiB each by default)
 _PAGE = mmap.PAGESIZE
 
