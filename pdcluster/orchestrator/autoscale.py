@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class NoRouter(Exception):
+    """The router died and its replacement does not serve yet: no latencies to decide by."""
+
+
 def limits(section: AutoscaleSection) -> Limits:
     return Limits(
         ttft_p90_s=section.ttft_p90_ms / 1e3,
@@ -68,13 +72,16 @@ class PlannerLoop:
                 await self.give_up_unstarted(time.monotonic())
                 decision = self.planner.decide(await self.snapshot())
                 await self.apply(decision)
-            except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            except (ray.exceptions.RayError, asyncio.TimeoutError, NoRouter) as exc:
                 logger.warning("planner: this interval's decision was skipped (%s: %s)", type(exc).__name__, exc)
             except Exception:  # noqa: BLE001 - a task nobody awaits: anything else ended autoscaling for good
                 logger.exception("planner: this interval's decision failed; deciding again next interval")
 
     async def snapshot(self) -> Snapshot:
-        slo = await self.controller.router.slo.remote()
+        router = self.controller.router
+        if router is None:
+            raise NoRouter("no router serves now: a new one is starting (router_keeper.py)")
+        slo = await router.slo.remote()
         roles, actual, now = {}, self.actual(), time.monotonic()
         for role in ROLES:
             pool = self.controller.pools[role]
@@ -140,7 +147,8 @@ class PlannerLoop:
             "mode": self.section.mode,
             "at": time.time(),
         }
-        await self.controller.router.planner.remote(record)
+        if self.controller.router is not None:  # (None: being replaced)
+            await self.controller.router.planner.remote(record)
         if decision.rule == "hold" and not decision.actions:
             if self.last is None or self.last["rule"] == "hold":
                 self.last = record

@@ -1,7 +1,8 @@
 """The controller: a detached, named Ray actor that owns the cluster's replica pools.
 
-It creates the router actor and one worker actor per replica (prefill/decode/aggregated), starts
-their engines concurrently and publishes each replica to the router only once it is READY. A
+It creates the router actor (router_keeper.py: started again where it died) and one worker actor
+per replica (prefill/decode/aggregated), starts their engines concurrently and publishes each
+replica to the router only once it is READY. A
 monitor loop refreshes engine stats (pushed to the router for /metrics and routing), marks
 replicas DEAD (their actor gone, their engine dead, or HEALTH_FAILURES health checks in a row
 unanswered) and refills the empty replica slots of each role (reconcile.py: a slot's restarts
@@ -26,13 +27,13 @@ from pydantic import ValidationError
 
 from pdcluster.config import ClusterConfig, RoleName
 from pdcluster.errors import ConfigError, format_errors, one_line
-from pdcluster.keys import engine_http_token
 from pdcluster.logs import WarnOnce, setup_logging
 from pdcluster.orchestrator.autoscale import PlannerLoop
-from pdcluster.orchestrator.engines import engine_spec, generation_defaults, worker_class
-from pdcluster.orchestrator.placement import actor_options, demand, orchestrator_options, unplaceable
+from pdcluster.orchestrator.engines import engine_spec, worker_class
+from pdcluster.orchestrator.placement import actor_options, demand, unplaceable
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, RestartBudget, missing_slots
 from pdcluster.orchestrator.replicas import Replica, ReplicaState
+from pdcluster.orchestrator.router_keeper import RouterKeeper, router_settings
 from pdcluster.orchestrator.status import replica_row, retired_row
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ class Controller:
         self.unplaced: dict[str, str] = {}  # role -> why no live node can host a replica now
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self._counters = {role: itertools.count() for role in self.pools}
-        self.router = None
-        self.endpoint: str | None = None
+        self.routers = RouterKeeper(
+            self.config, lambda: router_settings(self.config, self._api_keys(), secret), self._rows, self._budget
+        )
         self.started_at = time.time()
         self._monitor: asyncio.Task | None = None
         self.planner: PlannerLoop | None = None  # autoscale.enabled: the SLO planner (autoscale.py)
@@ -73,48 +75,35 @@ class Controller:
 
     async def start(self) -> str:
         """Start the router and every configured replica; returns the endpoint URL at once."""
-        import ray
-
-        # Here, not at the top: every `pdcluster status` imports this module (Ray loads the actor
-        # class to make its handle), and the router's modules import torch (compat).
-        from pdcluster.orchestrator.router import RouterActor, RouterSettings
-
         cfg = self.config
         for role in cfg.serving_roles():
             problem = self._placement_problem(role) if cfg.role(role).replicas else None
             if problem:
                 raise ConfigError(f"roles.{role}.placement: {problem}")
-        settings = RouterSettings(
-            model_name=cfg.model.served_name,
-            mode=cfg.mode,
-            policy=cfg.router.policy,
-            api_keys=self._api_keys(),
-            request_timeout_s=cfg.router.request_timeout_seconds,
-            max_body_bytes=cfg.router.max_body_bytes,
-            max_model_len=cfg.model.max_model_len,
-            tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-            first_token_from_prefill=cfg.router.first_token_from_prefill,
-            decode_ahead=cfg.router.decode_ahead,
-            migration_limit=cfg.router.migration_limit,
-            local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-            local_prefill_queue_tokens=cfg.router.local_prefill_queue_tokens,
-            slo_window_s=cfg.autoscale.window_seconds,
-            abandon_after_prefill_rate=cfg.router.fault_injection.abandon_after_prefill_rate,
-            engine_token=engine_http_token(self._secret),
-            generation_defaults=generation_defaults(cfg.model.path),
-        )
-        self.router = (
-            ray.remote(RouterActor)
-            .options(name=f"{cfg.name}-router", max_concurrency=1000, **orchestrator_options(cfg.router.placement))
-            .remote(settings)
-        )
-        self.endpoint = await self.router.start.remote(cfg.router.host, cfg.router.port)
+        await self.routers.start(cfg.router.host, cfg.router.port)
         self._reconcile()
         self._monitor = asyncio.create_task(self._monitor_loop())
         if cfg.autoscale.enabled:
             self.planner = PlannerLoop(self)
             self.planner.start()
         return self.endpoint
+
+    @property
+    def router(self):
+        """The router actor (None while there is none: not started yet, or being replaced)."""
+        return self.routers.actor
+
+    @router.setter
+    def router(self, actor) -> None:
+        self.routers.actor = actor
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.routers.endpoint
+
+    def _rows(self) -> list[dict[str, Any]]:
+        """The replica table the router routes by: every replica with an endpoint."""
+        return [r.router_row() for pool in self.pools.values() for r in pool if r.url]
 
     def _api_keys(self) -> list[str]:
         if self._given_api_keys is not None:
@@ -175,12 +164,16 @@ class Controller:
         gone is logged (once): the replicas are still watched, scaled and stopped."""
         import ray
 
-        rows = [r.router_row() for pool in self.pools.values() for r in pool if r.url]
         if self.router is not None:
             try:
-                await self.router.update_replicas.remote(rows)
+                await self.router.update_replicas.remote(self._rows())
+            except ray.exceptions.ActorUnavailableError as exc:  # its node's connection broke: not a death
+                self._warn_once("router", "cannot publish the replicas to the router: %s", one_line(exc, 200))
+            except ray.exceptions.RayActorError as exc:  # its actor is gone: another is started
+                self.routers.lost(exc)
             except ray.exceptions.RayError as exc:
                 self._warn_once("router", "cannot publish the replicas to the router: %s", one_line(exc, 200))
+        self.routers.keep()  # a router that died, or whose replacement failed to start
         async with self._published:
             self._published.notify_all()
 
@@ -412,12 +405,12 @@ class Controller:
 
     async def _ask_router(self, names: tuple[str, ...]) -> tuple[dict[str, Any], str | None]:
         """The router's answers to its methods `names` ({} where there is none), and why it could
-        not be asked: a router actor that died (nothing restarts it) must not take `status` (the
-        replica table) or `scale` down with it."""
+        not be asked: a router actor that died (until another serves: router_keeper.py) must not
+        take `status` (the replica table) or `scale` down with it."""
         import ray
 
         if self.router is None:
-            return {}, None
+            return {}, self.routers.down
         try:
             answers = await asyncio.gather(*(getattr(self.router, name).remote() for name in names))
         except ray.exceptions.RayActorError as exc:
@@ -437,6 +430,7 @@ class Controller:
             "name": self.config.name,
             "endpoint": self.endpoint,
             "router_error": router_error,
+            "router_restarts": self.routers.restarts,
             "router_rss_bytes": view.get("rss_bytes"),
             "mode": self.config.mode,
             "model": self.config.model.served_name,
@@ -454,20 +448,12 @@ class Controller:
         return "ok"
 
     async def shutdown(self) -> None:
-        import ray
-
         self._stopping = True
         if self._monitor is not None:
             self._monitor.cancel()
         if self.planner is not None:
             self.planner.stop()
-        if self.router is not None:
-            try:
-                await self.router.stop.remote()
-            except ray.exceptions.RayActorError as exc:
-                logger.warning("router did not stop cleanly: %s", exc)
-            ray.kill(self.router, no_restart=True)
-            self.router = None
+        await self.routers.stop()
         replicas = [r for pool in self.pools.values() for r in pool]
         for r in replicas:
             if r.task is not None and not r.task.done():

@@ -146,16 +146,16 @@ def test_a_replica_that_dies_while_a_scale_down_asks_the_router_is_not_drained_a
 
 
 def test_the_monitor_goes_on_when_the_router_cannot_be_told():
-    """The router actor is gone (a RayActorError on every call): the monitor logs it and keeps
-    checking the replicas each second; its task once ended there, and with it every health
-    check and restart."""
+    """The router cannot be told (Ray's connection to its node broke: ActorUnavailableError on
+    every call): the monitor logs it and keeps checking the replicas each second; its task once
+    ended there, and with it every health check and restart."""
     import ray
 
     calls = []
 
     async def update_replicas(rows):
         calls.append(rows)
-        raise ray.exceptions.RayActorError()
+        raise ray.exceptions.ActorUnavailableError("the node's connection broke", None)
 
     async def scenario():
         controller = Controller(CONFIG.model_dump_json(), "secret")
@@ -174,10 +174,11 @@ def test_the_monitor_goes_on_when_the_router_cannot_be_told():
     assert len(calls) >= 2
 
 
-def test_status_and_scale_go_on_when_the_router_is_gone():
-    """The router actor died (nothing restarts it): `status` failed as a whole with Ray's error,
-    losing the replica table when it is needed most, and `scale` failed too. status shows the
-    table and says the router is gone; a scale-down drains by state alone."""
+def test_status_and_scale_go_on_when_the_router_is_gone(killed, new_routers):
+    """The router actor died: `status` failed as a whole with Ray's error, losing the replica
+    table when it is needed most, and `scale` failed too. status shows the table and says the
+    router is gone; a scale-down drains by state alone (its publish finds the router dead: a new
+    one is started, router_keeper.py)."""
     import ray
 
     from pdcluster.orchestrator.status import format_status
@@ -200,6 +201,78 @@ def test_status_and_scale_go_on_when_the_router_is_gone():
     assert status["router_error"].startswith("the router is gone")
     assert "router: the router is gone, the endpoint serves nothing" in format_status(status)
     assert len(result["draining"]) == 1
+
+
+class _RouterActors:
+    """Ray's actor class of the router as the keeper makes its actors (`ray.remote(RouterActor)
+    .options(...).remote(settings)`): each new actor's `start` raises or serves, from `outcomes`
+    in turn, and records what it was asked and what the keeper said meanwhile."""
+
+    def __init__(self) -> None:
+        self.outcomes: list = []
+        self.started: list[tuple] = []
+        self.actors: list = []
+        self.keeper = None
+
+    def options(self, **options):
+        return self
+
+    def remote(self, settings):
+        outcome = self.outcomes.pop(0) if self.outcomes else "serves"
+
+        async def start(host, port, rows):
+            self.started.append((host, port, [row["replica_id"] for row in rows], self.keeper.down))
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return f"http://{host}:{port}"
+
+        async def nothing(*args):
+            return {}
+
+        methods = ("update_replicas", "latency", "inflight", "rss_bytes", "route_decisions", "cache_index")
+        actor = type("Router", (), {"start": _Remote(start), **{name: _Remote(nothing) for name in methods}})()
+        self.actors.append(actor)
+        return actor
+
+
+@pytest.fixture
+def new_routers(monkeypatch) -> _RouterActors:
+    import ray
+
+    routers = _RouterActors()
+    monkeypatch.setattr(ray, "remote", lambda cls: routers)
+    return routers
+
+
+def test_a_router_found_dead_is_started_again_on_its_port_with_the_replica_table(killed, new_routers):
+    """The router actor died (the OOM killer, a crash) and nothing started another: the endpoint
+    served nothing until `down` and `up`, every replica behind it still running. The monitor's
+    publish finds it dead; a new router starts on the same address and port with the replica
+    table; one that fails to start is killed and tried again on a later pass; `status` says why no
+    router serves meanwhile, then how often it was restarted."""
+    import ray
+
+    from pdcluster.orchestrator.status import format_status
+
+    async def dead(rows):
+        raise ray.exceptions.ActorDiedError()
+
+    controller = serving_decodes(1)
+    controller.config.role("prefill").replicas = 0
+    controller.routers.endpoint = "http://127.0.0.1:8123"
+    controller.router = dead_router = type("Router", (), {"update_replicas": _Remote(dead)})()
+    new_routers.keeper = controller.routers
+    new_routers.outcomes = [RuntimeError("no node can place it")]
+    assert run_monitor(controller, lambda: controller.routers.restarts == 1) is True
+    failed, served = new_routers.started
+    assert failed[:3] == served[:3] == (controller.config.router.host, 8123, ["decode-0"])
+    assert failed[3].startswith("the router died (")  # (Ray's words for the death)
+    assert served[3].startswith("the router died; a new one failed to start (RuntimeError: no node can place it)")
+    assert killed == [dead_router, new_routers.actors[0]]  # the dead one, the one that failed to start
+    assert controller.router is new_routers.actors[1] and controller.endpoint == "http://127.0.0.1:8123"
+    status = asyncio.run(controller.status())
+    assert status["router_error"] is None and status["router_restarts"] == 1
+    assert "router: restarted 1 time(s) (its actor died)" in format_status(status)
 
 
 def test_the_planner_goes_on_after_an_interval_that_failed():

@@ -350,8 +350,12 @@ class RouterActor:
         setup_logging()
         self.router = Router(settings)
 
-    async def start(self, host: str, port: int) -> str:
+    async def start(self, host: str, port: int, rows: list[dict[str, Any]] | None = None) -> str:
+        """Serve on host:port; `rows`: the replica table to route by from the first request (a
+        router started in place of one that died: orchestrator/router_keeper.py)."""
         url = await self.router.start(host, port)
+        if rows:
+            self.router.update_replicas(rows)  # before the server's task first runs
         freeze_startup_heap()
         return url
 
