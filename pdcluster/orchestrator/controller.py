@@ -160,20 +160,9 @@ class Controller:
         await self._publish()
 
     async def _publish(self) -> None:
-        """Push replica membership and stats to the router; wake up waiters. A router that is
-        gone is logged (once): the replicas are still watched, scaled and stopped."""
-        import ray
-
-        if self.router is not None:
-            try:
-                await self.router.update_replicas.remote(self._rows())
-            except ray.exceptions.ActorUnavailableError as exc:  # its node's connection broke: not a death
-                self._warn_once("router", "cannot publish the replicas to the router: %s", one_line(exc, 200))
-            except ray.exceptions.RayActorError as exc:  # its actor is gone: another is started
-                self.routers.lost(exc)
-            except ray.exceptions.RayError as exc:
-                self._warn_once("router", "cannot publish the replicas to the router: %s", one_line(exc, 200))
-        self.routers.keep()  # a router that died, or whose replacement failed to start
+        """Push replica membership and stats to the router (a router found dead or hung is
+        replaced: router_keeper.py); wake up waiters."""
+        await self.routers.publish(self._rows())
         async with self._published:
             self._published.notify_all()
 
@@ -405,16 +394,19 @@ class Controller:
 
     async def _ask_router(self, names: tuple[str, ...]) -> tuple[dict[str, Any], str | None]:
         """The router's answers to its methods `names` ({} where there is none), and why it could
-        not be asked: a router actor that died (until another serves: router_keeper.py) must not
-        take `status` (the replica table) or `scale` down with it."""
+        not be asked: a router actor that died or hangs (until another serves: router_keeper.py)
+        must not take `status` (the replica table) or `scale` down with it."""
         import ray
 
         if self.router is None:
             return {}, self.routers.down
         try:
-            answers = await asyncio.gather(*(getattr(self.router, name).remote() for name in names))
+            async with asyncio.timeout(INFO_TIMEOUT_S):
+                answers = await asyncio.gather(*(getattr(self.router, name).remote() for name in names))
         except ray.exceptions.RayActorError as exc:
             return {}, f"the router is gone, the endpoint serves nothing ({one_line(exc, 200)})"
+        except asyncio.TimeoutError:
+            return {}, f"the router did not answer in {INFO_TIMEOUT_S:.0f} s"
         return dict(zip(names, answers, strict=True)), None
 
     async def _inflight(self) -> dict[str, int]:

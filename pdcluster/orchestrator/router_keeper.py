@@ -2,11 +2,12 @@
 
 The router is the cluster's one endpoint. Its actor dying (the OOM killer, a crash, its node lost)
 left the endpoint answering nothing until an operator ran `down` and `up`, while every replica
-behind it still ran. Now the controller's monitor, which publishes the replica table to the router
-each second, reports a router found dead (Ray's actor error, not a node's connection breaking for
-a moment) to the keeper; the keeper starts a new router with the same settings (API keys read
-afresh) on the same address and port, and the new router serves with the replica table from its
-first request. Restarts are paced and budgeted as a replica slot's are (reconcile.RestartBudget);
+behind it still ran. Now the keeper hands the router the replica table for the controller (its
+monitor publishes each second) and so finds a router dead (Ray's actor error; not a node's
+connection breaking for a moment) or hung (HEALTH_FAILURES updates in a row unanswered, as a
+replica's health checks: its event loop stuck, its process stopped); it kills that one and starts
+a new router with the same settings (API keys read afresh) on the same address and port, which
+serves with the replica table from its first request. Restarts are paced and budgeted as a replica slot's are (reconcile.RestartBudget);
 `status` says why there is no router while there is none, and how often it was restarted.
 Requests the dead router held are lost to their clients (their engine requests end as the
 connections drop; a lease they held expires).
@@ -27,7 +28,7 @@ from pdcluster.keys import engine_http_token
 from pdcluster.logs import WarnOnce
 from pdcluster.orchestrator.engines import generation_defaults
 from pdcluster.orchestrator.placement import orchestrator_options
-from pdcluster.orchestrator.reconcile import RestartBudget
+from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, RestartBudget
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ ROUTER_SLOT = ("router", 0)  # the router's key in the controller's restart budg
 # A new router that does not serve by then (no node to place it on: Ray keeps it pending) is
 # killed; the next monitor pass tries again, as the budget allows.
 RESTART_TIMEOUT_S = 300.0
+UPDATE_TIMEOUT_S = 10.0  # a replica-table update the router has not taken by then is unanswered
+STOP_TIMEOUT_S = 30.0  # the router's own stop: its open requests' grace and cut (router/app.py)
 
 
 def router_settings(config: ClusterConfig, api_keys: list[str], secret: str):
@@ -82,6 +85,7 @@ class RouterKeeper:
         self.restarts = 0
         self._task: asyncio.Task | None = None
         self._stopped = False
+        self._unanswered = 0  # replica-table updates in a row the router did not take in time
         self._warn_once = WarnOnce(logger)
 
     async def start(self, host: str, port: int) -> str:
@@ -110,16 +114,48 @@ class RouterKeeper:
         self.actor, self.endpoint = actor, endpoint
         return endpoint
 
-    def lost(self, error: BaseException) -> None:
-        """The router actor was found dead: start another (now, or once the budget allows)."""
+    async def publish(self, rows: list[dict[str, Any]]) -> None:
+        """Hand the router the replica table; replace a router found dead or hung."""
         import ray
 
-        if self.actor is None:
+        router = self.actor
+        if router is not None:
+            try:
+                async with asyncio.timeout(UPDATE_TIMEOUT_S):
+                    await router.update_replicas.remote(rows)
+                if router is self.actor:
+                    self._unanswered = 0
+            except asyncio.TimeoutError:
+                self._unanswered_by(router)
+            except ray.exceptions.ActorUnavailableError as exc:  # its node's connection broke: not a death
+                self._warn_once("unavailable", "cannot publish the replicas to the router: %s", one_line(exc, 200))
+            except ray.exceptions.RayActorError as exc:  # its actor is gone
+                self.lost(exc, router)
+            except ray.exceptions.RayError as exc:
+                self._warn_once("error", "cannot publish the replicas to the router: %s", one_line(exc, 200))
+        self.keep()  # a router that died, or whose replacement failed to start
+
+    def _unanswered_by(self, router) -> None:
+        if router is not self.actor:
+            return  # (one replaced meanwhile)
+        self._unanswered += 1
+        if self._unanswered < HEALTH_FAILURES:
+            logger.warning("the router did not take the replica table in %.0f s", UPDATE_TIMEOUT_S)
             return
-        dead, self.actor = self.actor, None
-        ray.kill(dead, no_restart=True)  # its name is free for the new one
-        self.down = f"the router died ({one_line(error, 200)}); a new one is starting"
-        logger.error("router died: %s; starting a new one at %s", one_line(error, 300), self.endpoint)
+        hung = f"{self._unanswered} replica-table updates in a row unanswered in {UPDATE_TIMEOUT_S:.0f} s"
+        self.lost(TimeoutError(hung), router)
+
+    def lost(self, error: BaseException, router=None) -> None:
+        """The router actor (`router`, if given) was found dead or hung: kill it and start another
+        (now, or once the budget allows)."""
+        import ray
+
+        if self.actor is None or (router is not None and router is not self.actor):
+            return
+        dead, self.actor, self._unanswered = self.actor, None, 0
+        ray.kill(dead, no_restart=True)  # a hung one too; its name is free for the new one
+        self.down = f"the router is gone ({one_line(error, 200)}); a new one is starting"
+        logger.error("router gone: %s; starting a new one at %s", one_line(error, 300), self.endpoint)
         self.keep()
 
     def keep(self) -> None:
@@ -135,12 +171,12 @@ class RouterKeeper:
         self._task = asyncio.create_task(self._restart())
 
     async def _restart(self) -> None:
-        port = urlsplit(self.endpoint).port if self.endpoint else self.config.router.port
+        port = urlsplit(self.endpoint or "").port or self.config.router.port  # the bound one (router.port 0)
         try:
             async with asyncio.timeout(RESTART_TIMEOUT_S):
-                await self.start(self.config.router.host, port or self.config.router.port)
+                await self.start(self.config.router.host, port)
         except Exception as exc:  # noqa: BLE001 - a failed start is tried again by a later pass
-            self.down = f"the router died; a new one failed to start ({one_line(exc, 200)}); trying again"
+            self.down = f"the router is gone; a new one failed to start ({one_line(exc, 200)}); trying again"
             logger.error("a new router failed to start: %s", one_line(exc, 300))
             return
         self.down = None
@@ -157,8 +193,11 @@ class RouterKeeper:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.actor is not None:
             try:
-                await self.actor.stop.remote()
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await self.actor.stop.remote()
             except ray.exceptions.RayActorError as exc:
-                logger.warning("router did not stop cleanly: %s", exc)
+                logger.warning("router did not stop cleanly: %s", one_line(exc, 300))
+            except asyncio.TimeoutError:
+                logger.warning("router did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
             ray.kill(self.actor, no_restart=True)
             self.actor = None

@@ -108,7 +108,7 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("router_error"):
         lines.append(f"router: {status['router_error']}")
     elif status.get("router_restarts"):
-        lines.append(f"router: restarted {status['router_restarts']} time(s) (its actor died)")
+        lines.append(f"router: restarted {status['router_restarts']} time(s) (it died or hung)")
     routes = status.get("routes") or {}
     if routes:
         lines.append("routes: " + ", ".join(f"{path} {count}" for path, count in sorted(routes.items())))

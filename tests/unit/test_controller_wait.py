@@ -266,13 +266,40 @@ def test_a_router_found_dead_is_started_again_on_its_port_with_the_replica_table
     assert run_monitor(controller, lambda: controller.routers.restarts == 1) is True
     failed, served = new_routers.started
     assert failed[:3] == served[:3] == (controller.config.router.host, 8123, ["decode-0"])
-    assert failed[3].startswith("the router died (")  # (Ray's words for the death)
-    assert served[3].startswith("the router died; a new one failed to start (RuntimeError: no node can place it)")
+    assert failed[3].startswith("the router is gone (")  # (Ray's words for the death)
+    assert served[3].startswith("the router is gone; a new one failed to start (RuntimeError: no node can place it)")
     assert killed == [dead_router, new_routers.actors[0]]  # the dead one, the one that failed to start
     assert controller.router is new_routers.actors[1] and controller.endpoint == "http://127.0.0.1:8123"
     status = asyncio.run(controller.status())
     assert status["router_error"] is None and status["router_restarts"] == 1
-    assert "router: restarted 1 time(s) (its actor died)" in format_status(status)
+    assert "router: restarted 1 time(s) (it died or hung)" in format_status(status)
+
+
+def test_a_router_that_leaves_the_replica_table_unanswered_is_killed_and_replaced(killed, new_routers, monkeypatch):
+    """A router hung (its event loop stuck, its process stopped) is not dead to Ray: the publish
+    waited on it for good, and with it the controller's monitor (every replica's health check
+    and restart). An update unanswered in time counts as a failed health check; HEALTH_FAILURES
+    in a row and the router is killed and another started."""
+    from pdcluster.orchestrator import router_keeper
+    from pdcluster.orchestrator.reconcile import HEALTH_FAILURES
+
+    monkeypatch.setattr(router_keeper, "UPDATE_TIMEOUT_S", 0.05)
+    updates = []
+
+    async def hung(rows):
+        updates.append(rows)
+        await asyncio.Event().wait()
+
+    controller = serving_decodes(1)
+    controller.config.role("prefill").replicas = 0
+    controller.routers.endpoint = "http://127.0.0.1:8124"
+    controller.router = hung_router = type("Router", (), {"update_replicas": _Remote(hung)})()
+    new_routers.keeper = controller.routers
+    assert run_monitor(controller, lambda: controller.routers.restarts == 1) is True
+    assert len(updates) == HEALTH_FAILURES and killed == [hung_router]
+    ((_, port, rows, down_then),) = new_routers.started
+    assert (port, rows) == (8124, ["decode-0"])
+    assert down_then.startswith(f"the router is gone (TimeoutError: {HEALTH_FAILURES} replica-table updates in a row")
 
 
 def test_the_planner_goes_on_after_an_interval_that_failed():
