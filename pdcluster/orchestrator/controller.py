@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from pdcluster.config import ClusterConfig, RoleName
 from pdcluster.errors import ConfigError, format_errors, one_line
-from pdcluster.logs import WarnOnce, setup_logging
+from pdcluster.logs import setup_logging
 from pdcluster.orchestrator.autoscale import PlannerLoop
 from pdcluster.orchestrator.engines import engine_spec, worker_class
 from pdcluster.orchestrator.placement import actor_options, demand, unplaceable
@@ -57,7 +57,6 @@ class Controller:
         self._retired: list[Replica] = []
         self._budget = RestartBudget()
         self._refused: set[tuple[str, int, str]] = set()  # restart refusals logged (once each)
-        self._warn_once = WarnOnce(logger)
         self.unplaced: dict[str, str] = {}  # role -> why no live node can host a replica now
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
         self._counters = {role: itertools.count() for role in self.pools}
@@ -92,10 +91,6 @@ class Controller:
     def router(self):
         """The router actor (None while there is none: not started yet, or being replaced)."""
         return self.routers.actor
-
-    @router.setter
-    def router(self, actor) -> None:
-        self.routers.actor = actor
 
     @property
     def endpoint(self) -> str | None:
@@ -162,7 +157,7 @@ class Controller:
     async def _publish(self) -> None:
         """Push replica membership and stats to the router (a router found dead or hung is
         replaced: router_keeper.py); wake up waiters."""
-        await self.routers.publish(self._rows())
+        await self.routers.publish()
         async with self._published:
             self._published.notify_all()
 

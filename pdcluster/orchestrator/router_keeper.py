@@ -7,8 +7,9 @@ monitor publishes each second) and so finds a router dead (Ray's actor error; no
 connection breaking for a moment) or hung (HEALTH_FAILURES updates in a row unanswered, as a
 replica's health checks: its event loop stuck, its process stopped); it kills that one and starts
 a new router with the same settings (API keys read afresh) on the same address and port, which
-serves with the replica table from its first request. Restarts are paced and budgeted as a replica slot's are (reconcile.RestartBudget);
-`status` says why there is no router while there is none, and how often it was restarted.
+serves with the replica table from its first request. Restarts are paced and budgeted as a
+replica slot's are (reconcile.RestartBudget); `status` says why there is no router while there is
+none, and how often it was restarted.
 Requests the dead router held are lost to their clients (their engine requests end as the
 connections drop; a lease they held expires).
 """
@@ -77,7 +78,7 @@ class RouterKeeper:
     ) -> None:
         self.config = config
         self._settings = settings  # called at each start
-        self._rows = rows  # the replica table a new router starts with
+        self._rows = rows  # the replica table: handed to the router, and a new one starts with it
         self._budget = budget
         self.actor = None
         self.endpoint: str | None = None
@@ -114,7 +115,7 @@ class RouterKeeper:
         self.actor, self.endpoint = actor, endpoint
         return endpoint
 
-    async def publish(self, rows: list[dict[str, Any]]) -> None:
+    async def publish(self) -> None:
         """Hand the router the replica table; replace a router found dead or hung."""
         import ray
 
@@ -122,7 +123,7 @@ class RouterKeeper:
         if router is not None:
             try:
                 async with asyncio.timeout(UPDATE_TIMEOUT_S):
-                    await router.update_replicas.remote(rows)
+                    await router.update_replicas.remote(self._rows())
                 if router is self.actor:
                     self._unanswered = 0
             except asyncio.TimeoutError:
@@ -145,12 +146,12 @@ class RouterKeeper:
         hung = f"{self._unanswered} replica-table updates in a row unanswered in {UPDATE_TIMEOUT_S:.0f} s"
         self.lost(TimeoutError(hung), router)
 
-    def lost(self, error: BaseException, router=None) -> None:
-        """The router actor (`router`, if given) was found dead or hung: kill it and start another
-        (now, or once the budget allows)."""
+    def lost(self, error: BaseException, router) -> None:
+        """The router actor `router` was found dead or hung: kill it and start another (now, or
+        once the budget allows). One replaced meanwhile is left alone."""
         import ray
 
-        if self.actor is None or (router is not None and router is not self.actor):
+        if router is not self.actor:
             return
         dead, self.actor, self._unanswered = self.actor, None, 0
         ray.kill(dead, no_restart=True)  # a hung one too; its name is free for the new one

@@ -132,7 +132,7 @@ def test_a_replica_that_dies_while_a_scale_down_asks_the_router_is_not_drained_a
         async def update_replicas(rows):
             return None
 
-        controller.router = type("Router", (), {})()
+        controller.routers.actor = type("Router", (), {})()
         controller.router.inflight, controller.router.update_replicas = _Remote(inflight), _Remote(update_replicas)
         result = await controller.scale("decode", 1)
         stops = [r.task for r in controller._retired + pool if r.task is not None]
@@ -161,7 +161,7 @@ def test_the_monitor_goes_on_when_the_router_cannot_be_told():
         controller = Controller(CONFIG.model_dump_json(), "secret")
         for role in ("prefill", "decode"):
             controller.config.role(role).replicas = 0  # nothing to start: no actors here
-        controller.router = type("Router", (), {"update_replicas": _Remote(update_replicas)})()
+        controller.routers.actor = type("Router", (), {"update_replicas": _Remote(update_replicas)})()
         monitor = asyncio.create_task(controller._monitor_loop())
         while len(calls) < 2 and not monitor.done():
             await asyncio.sleep(0.05)  # the loop's own pace (MONITOR_INTERVAL_S)
@@ -190,7 +190,7 @@ def test_status_and_scale_go_on_when_the_router_is_gone(killed, new_routers):
         controller = serving_decodes(2)
         pool = controller.pools["decode"]
         methods = ("latency", "inflight", "rss_bytes", "route_decisions", "cache_index", "update_replicas")
-        controller.router = type("Router", (), {name: _Remote(gone) for name in methods})()
+        controller.routers.actor = type("Router", (), {name: _Remote(gone) for name in methods})()
         status = await controller.status()
         result = await controller.scale("decode", 1)
         await asyncio.gather(*(r.task for r in controller._retired + pool if r.task is not None))
@@ -260,7 +260,7 @@ def test_a_router_found_dead_is_started_again_on_its_port_with_the_replica_table
     controller = serving_decodes(1)
     controller.config.role("prefill").replicas = 0
     controller.routers.endpoint = "http://127.0.0.1:8123"
-    controller.router = dead_router = type("Router", (), {"update_replicas": _Remote(dead)})()
+    controller.routers.actor = dead_router = type("Router", (), {"update_replicas": _Remote(dead)})()
     new_routers.keeper = controller.routers
     new_routers.outcomes = [RuntimeError("no node can place it")]
     assert run_monitor(controller, lambda: controller.routers.restarts == 1) is True
@@ -293,7 +293,7 @@ def test_a_router_that_leaves_the_replica_table_unanswered_is_killed_and_replace
     controller = serving_decodes(1)
     controller.config.role("prefill").replicas = 0
     controller.routers.endpoint = "http://127.0.0.1:8124"
-    controller.router = hung_router = type("Router", (), {"update_replicas": _Remote(hung)})()
+    controller.routers.actor = hung_router = type("Router", (), {"update_replicas": _Remote(hung)})()
     new_routers.keeper = controller.routers
     assert run_monitor(controller, lambda: controller.routers.restarts == 1) is True
     assert len(updates) == HEALTH_FAILURES and killed == [hung_router]
@@ -361,7 +361,7 @@ async def planner_adding_one_that_never_starts():
     controller._start_replica = held_by_ray
     controller._placement_problem = lambda role: None
     methods = ("planner", "inflight", "update_replicas")
-    controller.router = type("Router", (), {name: _Remote(nothing) for name in methods})()
+    controller.routers.actor = type("Router", (), {name: _Remote(nothing) for name in methods})()
     loop = PlannerLoop(controller)
     await loop.apply(Decision("add_decode", "ITL p90 300 ms > 100 ms", (("decode", "add"),), {}, "decode"))
     (added,) = [r for r in controller.pools["decode"] if r.state == ReplicaState.STARTING]
