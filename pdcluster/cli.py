@@ -237,6 +237,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 name=controller_name(config.name),
                 namespace=config.ray.namespace,
                 lifetime="detached",
+                max_restarts=-1,  # Ray restarts it where it died; it takes its cluster back (recovery.py)
                 max_concurrency=100,
                 **orchestrator_options(config.router.placement),
             )
@@ -294,6 +295,7 @@ def _teardown(session, controller_started: bool = True) -> None:
     started, and remove the record; `controller_started=False`: `up` failed before creating one."""
     import ray
 
+    from pdcluster.orchestrator.recovery import end_cluster
     from pdcluster.orchestrator.session import stop_process_group
 
     log = logging.getLogger(__name__)
@@ -304,7 +306,7 @@ def _teardown(session, controller_started: bool = True) -> None:
             try:
                 ray.get(controller.shutdown.remote(), timeout=180)
             except ray.exceptions.RayError as exc:  # failed or hung: killed all the same
-                log.warning("controller shutdown: %s; killing it (its router and replicas go with it)", exc)
+                log.warning("controller shutdown: %s; killing it (and then what it left)", exc)
             try:
                 ray.kill(controller, no_restart=True)
             except (ray.exceptions.RayError, ConnectionError) as exc:
@@ -312,6 +314,8 @@ def _teardown(session, controller_started: bool = True) -> None:
     except (ConfigError, ray.exceptions.RayError, ConnectionError) as exc:
         log.warning("controller shutdown: %s", exc)
     finally:
+        if ray.is_initialized() and session.head_pid is None and left is None:
+            end_cluster(session.name, session.namespace)  # detached actors the controller left
         if ray.is_initialized():
             ray.shutdown()
         if session.head_pid is not None:
@@ -385,13 +389,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     import ray
 
     from pdcluster.orchestrator.session import Session
-    from pdcluster.orchestrator.status import format_status, watched
+    from pdcluster.orchestrator.status import ask, format_status, watched
 
     render = (lambda s: json.dumps(s, indent=None if args.watch else 2, default=str)) if args.json else format_status
     session = Session.load(args.name, notice)
     controller = _connect(session)
     if args.watch is None:
-        out(render(ray.get(controller.status.remote())))
+        out(render(ask(controller.status.remote)))
         return 0
     try:
         # One connection to Ray for the whole watch (each `status` joins Ray: ~1 CPU-second).

@@ -10,14 +10,14 @@ are budgeted and paused, and a replica that failed to start is retried later). `
 (no new requests; stopped once nothing is in flight and, for prefill, no KV lease is held).
 Replicas go to the Ray nodes their role's placement allows (placement.py); a role no live
 node can host is reported once and waits for one. `status()` is what `pdcluster status` prints
-(rows: status.py). Worker actors are owned by the controller, so they
-share its fate; `shutdown()` stops engines gracefully before their actors are killed.
+(rows: status.py). The router and worker actors are detached: they serve on while the
+controller is down, and a controller Ray restarted takes them back from its record (recovery.py);
+`shutdown()` stops engines gracefully before their actors are killed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Collection
@@ -27,11 +27,12 @@ from pydantic import ValidationError
 
 from pdcluster.config import ClusterConfig, RoleName
 from pdcluster.errors import ConfigError, format_errors, one_line
-from pdcluster.logs import setup_logging
+from pdcluster.logs import WarnOnce, setup_logging
 from pdcluster.orchestrator.autoscale import PlannerLoop
 from pdcluster.orchestrator.engines import engine_spec, worker_class
 from pdcluster.orchestrator.placement import actor_options, demand, unplaceable
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, RestartBudget, missing_slots
+from pdcluster.orchestrator.recovery import Record, end_cluster, recover, replica_name
 from pdcluster.orchestrator.replicas import Replica, ReplicaState
 from pdcluster.orchestrator.router_keeper import RouterKeeper, router_settings
 from pdcluster.orchestrator.status import replica_row, retired_row
@@ -59,7 +60,7 @@ class Controller:
         self._refused: set[tuple[str, int, str]] = set()  # restart refusals logged (once each)
         self.unplaced: dict[str, str] = {}  # role -> why no live node can host a replica now
         self.pools: dict[str, list[Replica]] = {role: [] for role in ("prefill", "decode", "aggregated")}
-        self._counters = {role: itertools.count() for role in self.pools}
+        self.next_index = dict.fromkeys(self.pools, 0)  # replica ids are never reused
         self.routers = RouterKeeper(
             self.config, lambda: router_settings(self.config, self._api_keys(), secret), self._rows, self._budget
         )
@@ -69,6 +70,10 @@ class Controller:
         self._published = asyncio.Condition()  # each publish notifies it (next_publish)
         self._stopping = False
         self._lock = asyncio.Lock()
+        self.restarts = 0  # times Ray restarted this controller (its process died)
+        self.record = Record(self.config.name, self.config.ray.namespace)
+        self._warn_once = WarnOnce(logger)
+        self._recovery = asyncio.create_task(self._recover()) if _reconstructed() else None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -81,11 +86,34 @@ class Controller:
                 raise ConfigError(f"roles.{role}.placement: {problem}")
         await self.routers.start(cfg.router.host, cfg.router.port)
         self._reconcile()
+        self._save_record()  # from here on a restarted controller takes the cluster back
+        self._run()
+        return self.endpoint
+
+    def _run(self) -> None:
+        """Start the monitor (and the planner): the controller runs the cluster from here on."""
         self._monitor = asyncio.create_task(self._monitor_loop())
-        if cfg.autoscale.enabled:
+        if self.config.autoscale.enabled:
             self.planner = PlannerLoop(self)
             self.planner.start()
-        return self.endpoint
+
+    async def _recover(self) -> None:
+        """Ray restarted this controller (its process died): take the cluster back from the
+        record (recovery.py). With none, it died in `start` (so `up` fails and stops it): what
+        it had started is removed."""
+        try:
+            record = self.record.load()
+            if record is None:
+                logger.error("controller restarted before its cluster started: removing what it had started")
+                end_cluster(self.config.name, self.config.ray.namespace)
+                return
+            recover(self, record)
+        except Exception:  # noqa: BLE001 - nobody awaits this task: the reason must reach the log
+            logger.exception("the restarted controller could not take its cluster back")
+            return
+        self._reconcile()
+        self._run()
+        await self._publish()
 
     @property
     def router(self):
@@ -106,7 +134,8 @@ class Controller:
         return self.config.router.read_api_keys()
 
     def _add_replica(self, role: RoleName, slot: int) -> Replica:
-        index = next(self._counters[role])
+        index = self.next_index[role]
+        self.next_index[role] += 1
         replica_id = f"{role}-{index}"
         spec = engine_spec(self.config, role, slot, replica_id)  # the slot's cores (cpu_bind)
         replica = Replica(replica_id, role, index, slot, spec)
@@ -122,7 +151,8 @@ class Controller:
 
         section = self.config.role(replica.role)
         options: dict[str, Any] = {
-            "name": f"{self.config.name}-{replica.replica_id}",
+            "name": replica_name(self.config.name, replica.replica_id),
+            "lifetime": "detached",  # it serves on while the controller is down (recovery.py)
             "max_concurrency": 64,
             "runtime_env": {"env_vars": replica.spec.env()},
             **actor_options(section.resources, section.placement),
@@ -157,9 +187,16 @@ class Controller:
     async def _publish(self) -> None:
         """Push replica membership and stats to the router (a router found dead or hung is
         replaced: router_keeper.py); wake up waiters."""
+        self._save_record()
         await self.routers.publish()
         async with self._published:
             self._published.notify_all()
+
+    def _save_record(self) -> None:
+        try:
+            self.record.save(self)
+        except Exception as exc:  # noqa: BLE001 - a GCS hiccup: the next publish writes it
+            self._warn_once("record", "cannot write the controller's record: %s", one_line(exc, 200))
 
     async def _monitor_loop(self) -> None:
         """Check every replica, refill empty slots and tell the router, each second. Nobody awaits
@@ -343,13 +380,16 @@ class Controller:
                     draining.append(replica.replica_id)
                     replica.set_state(ReplicaState.DRAINING)
                     replica.stage = "draining"
-                    replica.task = asyncio.create_task(self._drain_and_stop(replica))
+                    self.drain(replica)
             self.config.role(role).replicas = replicas
             await self._publish()
         result = {"role": role, "replicas": replicas, "added": added, "draining": draining}
         if role in self.unplaced:
             result["unplaced"] = self.unplaced[role]
         return result
+
+    def drain(self, replica: Replica) -> None:
+        replica.task = asyncio.create_task(self._drain_and_stop(replica))
 
     async def _drain_and_stop(self, replica: Replica) -> None:
         """No new requests reach it (router excludes DRAINING); stop once it holds nothing."""
@@ -418,6 +458,7 @@ class Controller:
             "endpoint": self.endpoint,
             "router_error": router_error,
             "router_restarts": self.routers.restarts,
+            "controller_restarts": self.restarts,
             "router_rss_bytes": view.get("rss_bytes"),
             "mode": self.config.mode,
             "model": self.config.model.served_name,
@@ -436,6 +477,8 @@ class Controller:
 
     async def shutdown(self) -> None:
         self._stopping = True
+        if self._recovery is not None:
+            self._recovery.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
         if self.planner is not None:
@@ -446,3 +489,12 @@ class Controller:
             if r.task is not None and not r.task.done():
                 r.task.cancel()
         await asyncio.gather(*(self._stop_replica(r) for r in replicas), return_exceptions=True)
+        end_cluster(self.config.name, self.config.ray.namespace)  # what a restart left
+
+
+def _reconstructed() -> bool:
+    """Whether this is a controller Ray restarted (False outside a Ray actor: unit tests)."""
+    import ray
+
+    context = ray.get_runtime_context() if ray.is_initialized() else None
+    return bool(context and context.get_actor_id() and context.was_current_actor_reconstructed)

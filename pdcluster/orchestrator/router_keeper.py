@@ -30,6 +30,7 @@ from pdcluster.logs import WarnOnce
 from pdcluster.orchestrator.engines import generation_defaults
 from pdcluster.orchestrator.placement import orchestrator_options
 from pdcluster.orchestrator.reconcile import HEALTH_FAILURES, RestartBudget
+from pdcluster.orchestrator.recovery import router_name
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class RouterKeeper:
         actor = (
             ray.remote(RouterActor)
             .options(
-                name=f"{self.config.name}-router",
+                name=router_name(self.config.name),
+                lifetime="detached",  # it serves on while the controller is down (recovery.py)
                 max_concurrency=1000,
                 **orchestrator_options(self.config.router.placement),
             )
@@ -114,6 +116,17 @@ class RouterKeeper:
             raise
         self.actor, self.endpoint = actor, endpoint
         return endpoint
+
+    def adopt(self, actor, endpoint: str | None, restarts: int) -> None:
+        """A restarted controller takes back the router its last run kept (`actor`; None: it is
+        gone, and a new one is started on `endpoint`)."""
+        self.endpoint, self.restarts = endpoint, restarts
+        if actor is not None:
+            self.actor = actor
+            return
+        self.down = "the router is gone (it went while the controller was down); a new one is starting"
+        logger.error("router gone while the controller was down; starting a new one at %s", endpoint)
+        self.keep()
 
     async def publish(self) -> None:
         """Hand the router the replica table; replace a router found dead or hung."""

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+RESTART_RETRIES = 5  # asks again of a controller whose process died under a call
+
 
 def replica_row(replica, latency: dict[str, Any], inflight: dict[str, int], kv_backend: str) -> dict[str, Any]:
     """`replica`: the controller's Replica; `latency`/`inflight`: the router's, by replica id."""
@@ -109,6 +111,9 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"router: {status['router_error']}")
     elif status.get("router_restarts"):
         lines.append(f"router: restarted {status['router_restarts']} time(s) (it died or hung)")
+    if status.get("controller_restarts"):
+        restarts = status["controller_restarts"]
+        lines.append(f"controller: restarted {restarts} time(s) (it died; the router and the replicas served on)")
     routes = status.get("routes") or {}
     if routes:
         lines.append("routes: " + ", ".join(f"{path} {count}" for path, count in sorted(routes.items())))
@@ -131,16 +136,27 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ask(call) -> Any:
+    """ray.get of `call()` (a controller method's .remote()), asked again where the controller's
+    process died under it: Ray restarts it (recovery.py) and queues the calls that follow."""
+    import ray
+
+    for _ in range(RESTART_RETRIES):
+        try:
+            return ray.get(call())
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(1.0)  # pause between asks while Ray notices the death
+    return ray.get(call())
+
+
 def watched(controller, every_s: float, render: Callable[[dict], str]) -> Iterator[str]:
     """`controller`'s status, rendered, each time it differs from the last one yielded: looked at
     each time the controller publishes (its monitor pass, each second; a replica's start too) or
-    after `every_s`."""
-    import ray
-
+    after `every_s`; a restart of the controller does not end it."""
     shown = None
     while True:
-        text = render(ray.get(controller.status.remote()))
+        text = render(ask(controller.status.remote))
         if text != shown:
             yield text
             shown = text
-        ray.get(controller.next_publish.remote(every_s))
+        ask(lambda: controller.next_publish.remote(every_s))

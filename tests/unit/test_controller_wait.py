@@ -96,7 +96,8 @@ def serving_decodes(count: int, config=CONFIG) -> Controller:
 
     controller = Controller(config.model_dump_json(), "secret")
     for i in range(count):
-        index = next(controller._counters["decode"])  # as the controller numbers its replicas
+        index = controller.next_index["decode"]  # as the controller numbers its replicas
+        controller.next_index["decode"] += 1
         replica = Replica(f"decode-{index}", "decode", index, i, engine_spec(config, "decode", i, f"decode-{index}"))
         replica.url, replica.state = f"http://127.0.0.1:{9000 + i}", ReplicaState.READY
         controller.pools["decode"].append(replica)
