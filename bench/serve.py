@@ -400,8 +400,8 @@ def start_setup(setup: str, workdir: Path) -> contextlib.AbstractContextManager[
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--setups",
         nargs="+",

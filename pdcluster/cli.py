@@ -447,9 +447,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parent.parent / "bench" / "serve.py"
     if not script.exists():
         raise ConfigError("bench/serve.py not found (run from a source checkout)")
-    sys.argv = [str(script), *args.args]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    bench = runpy.run_path(str(script), run_name="pdcluster_bench")  # its module; main() not run yet
+    return bench["main"](args.args, prog="pdcluster bench")  # its usage names the command typed
 
 
 COMMANDS = {

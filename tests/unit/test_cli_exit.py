@@ -61,7 +61,8 @@ def test_an_invalid_argument_is_one_line_and_exit_2(args, needle):
 def test_bench_hands_every_argument_to_the_benchmark():
     """`pdcluster bench --quick` was refused by pdcluster's own parser ("unrecognized arguments":
     argparse's REMAINDER takes no option first), so bench ran only with no argument at all.
-    Every argument reaches bench/serve.py now: one it does not know is its error, under its usage."""
+    Every argument reaches bench/serve.py now: one it does not know is its error, under its usage,
+    which names the command the user typed (it said `serve.py`)."""
     done = subprocess.run(
         [sys.executable, "-m", "pdcluster.cli", "bench", "--quick", "--no-such-flag"],
         capture_output=True,
@@ -69,7 +70,8 @@ def test_bench_hands_every_argument_to_the_benchmark():
         timeout=120,
     )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == "serve.py: error: unrecognized arguments: --no-such-flag"
+    assert done.stderr.strip().splitlines()[-1] == "pdcluster bench: error: unrecognized arguments: --no-such-flag"
+    assert done.stderr.startswith("usage: pdcluster bench [-h]"), done.stderr
 
 
 def test_status_scale_and_down_import_no_torch():
