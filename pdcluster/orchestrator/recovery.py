@@ -133,7 +133,9 @@ def snapshot(controller: Controller) -> dict[str, Any]:
                 "state": r.state.label,
                 "url": r.url,
                 "node": r.node,
+                "created_at": r.created_at,
                 "ready_at": r.ready_at,
+                "transitions": r.transitions,
             }
             for pool in controller.pools.values()
             for r in pool
@@ -174,16 +176,19 @@ def recover(controller: Controller, record: dict[str, Any]) -> None:
         name = replica_name(config.name, replica_id)
         actor = _actor(name, namespace)
         state = ReplicaState[row["state"].upper()]
-        if actor is None or state == ReplicaState.STARTING:
-            if actor is not None:  # its start's caller is gone: nobody would hear it end
-                ray.kill(actor, no_restart=True)
-            logger.warning("replica %s was %s and is gone: its slot is refilled", replica_id, row["state"])
+        if actor is None:
+            logger.warning("replica %s (%s) is gone: its slot is refilled", replica_id, row["state"])
+            continue
+        if state == ReplicaState.STARTING:  # its start's caller died: nobody would hear it end
+            ray.kill(actor, no_restart=True)
+            logger.warning("replica %s was starting: killed, its slot is refilled", replica_id)
             continue
         replica = Replica(
             replica_id, role, row["index"], row["slot"], engine_spec(config, role, row["slot"], replica_id)
         )
         replica.actor, replica.url, replica.node, replica.ready_at = actor, row["url"], row["node"], row["ready_at"]
-        replica.set_state(state)
+        replica.created_at, replica.transitions = row["created_at"], [tuple(t) for t in row["transitions"]]
+        replica.state = state
         replica.stage = state.label
         controller.pools[role].append(replica)
         kept.add(name)

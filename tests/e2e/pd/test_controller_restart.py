@@ -42,6 +42,7 @@ def test_a_killed_controller_is_restarted_and_the_cluster_serves_throughout(clus
         "a restarted controller running its replicas",
     )
     assert sorted(r["replica"] for r in status["replicas"] if r["state"] == "ready") == ready
+    assert all(r["transitions"][0][1] == "starting" for r in status["replicas"])  # their history kept
     assert status["endpoint"] == cluster.endpoint and not status["router_error"]
     assert set(cluster_processes(cluster.home, SERVING)) == serving  # the same processes: none restarted
     assert list(cluster_processes(cluster.home, ("ray::Controller",))) != [controller]
