@@ -23,7 +23,6 @@ from pdcluster.errors import ConfigError, PDClusterError, one_line, root_cause
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
-FOREGROUND_STOP_TIMEOUT_S = 300  # a foreground `up` stops its engines gracefully first
 
 
 # The command's own output stream once Ray is connected (ray_connect); None before.
@@ -109,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="print it again whenever it changes, looking at least every SECONDS, until Ctrl-C (--json: a line each)",
     )
+    status.add_argument(
+        "--timeout", type=_seconds, default=60, metavar="SECONDS", help="give up on a controller that does not answer"
+    )
 
     scale = sub.add_parser("scale", help="set the number of replicas of a role, live")
     scale.add_argument("role", choices=["prefill", "decode", "aggregated"])
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("file", type=Path)
     config_sub.add_parser("schema", help="print the JSON schema of the cluster YAML")
 
-    bench = sub.add_parser("bench", help="serving benchmark (see bench/serve.py --help)")
+    bench = sub.add_parser("bench", help="serving benchmark (see pdcluster bench --help)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
@@ -338,42 +340,13 @@ def cmd_down(args: argparse.Namespace) -> int:
         session.remove()
         out(f"pdcluster {session.name}: its Ray ({session.ray_address}) is gone; removed its record")
         return 0
-    if session.foreground_pid is not None and _stop_foreground(session):
+    if session.foreground_pid is not None and session.stop_foreground(notice):
         out(f"pdcluster {session.name} stopped (its foreground `up` shut it down)")
         return 0
     _connect_quietly(session)
     _teardown(session)
     out(f"pdcluster {session.name} stopped")
     return 0
-
-
-def _stop_foreground(session) -> bool:
-    """Ask the `up --foreground` serving the cluster to stop it (SIGINT: its own Ctrl-C path,
-    which exits 0; Ray's driver answers SIGTERM itself, by exiting at once) and wait until it
-    did; False when there is no such process."""
-    import psutil
-
-    try:
-        process = psutil.Process(session.foreground_pid)
-        if "pdcluster" not in " ".join(process.cmdline()):
-            return False  # the pid was reused by something else
-        process.send_signal(signal.SIGINT)
-    except psutil.NoSuchProcess:
-        return False
-    # Done once its teardown removed the record (its parent may not have reaped it yet: a
-    # zombie counts as gone).
-    deadline = time.monotonic() + FOREGROUND_STOP_TIMEOUT_S
-    while session.path.exists():
-        try:
-            gone = process.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            gone = True
-        if gone or time.monotonic() > deadline:
-            if not gone:
-                notice(f"the foreground `up` (pid {session.foreground_pid}) did not stop in time; stopping it here")
-            return not session.path.exists()
-        time.sleep(0.1)  # poll interval: the foreground stops its engines first
-    return True
 
 
 def _connect_quietly(session) -> None:
@@ -395,11 +368,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     session = Session.load(args.name, notice)
     controller = _connect(session)
     if args.watch is None:
-        out(render(ask(controller.status.remote)))
+        out(render(ask(controller.status.remote, args.timeout)))
         return 0
     try:
         # One connection to Ray for the whole watch (each `status` joins Ray: ~1 CPU-second).
-        for text in watched(controller, args.watch, render):
+        for text in watched(controller, args.watch, render, args.timeout):
             out(text if args.json else text + "\n")
     except KeyboardInterrupt:
         return 0  # how a watch ends

@@ -36,6 +36,7 @@ from pdcluster.errors import ConfigError, PDClusterError
 from pdcluster.pidfds import group_running
 
 HEAD_START_TIMEOUT_S = 120
+FOREGROUND_STOP_TIMEOUT_S = 300  # a foreground `up` stops its engines gracefully first
 STALE_TRIES = 3  # connections to a joined cluster's address that time out before its record goes
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,34 @@ class Session:
             return cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError) as exc:
             raise ConfigError(f"cluster record {path} is unreadable ({exc}); remove it") from None
+
+    def stop_foreground(self, notice: Callable[[str], None]) -> bool:
+        """Ask the `up --foreground` serving the cluster to stop it (SIGINT: its own Ctrl-C path,
+        which exits 0; Ray's driver answers SIGTERM itself, by exiting at once) and wait until it
+        did; False when there is no such process."""
+        import psutil
+
+        try:
+            process = psutil.Process(self.foreground_pid)
+            if "pdcluster" not in " ".join(process.cmdline()):
+                return False  # the pid was reused by something else
+            process.send_signal(signal.SIGINT)
+        except psutil.NoSuchProcess:
+            return False
+        # Done once its teardown removed the record (its parent may not have reaped it yet: a
+        # zombie counts as gone).
+        deadline = time.monotonic() + FOREGROUND_STOP_TIMEOUT_S
+        while self.path.exists():
+            try:
+                gone = process.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone or time.monotonic() > deadline:
+                if not gone:
+                    notice(f"the foreground `up` (pid {self.foreground_pid}) did not stop in time; stopping it here")
+                return not self.path.exists()
+            time.sleep(0.1)  # poll interval: the foreground stops its engines first
+        return True
 
     def drop_if_stale(self, notice: Callable[[str], None]) -> bool:
         if not self.is_stale():

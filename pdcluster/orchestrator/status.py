@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-RESTART_RETRIES = 5  # asks again of a controller whose process died under a call
+from pdcluster.errors import PDClusterError
 
 
 def replica_row(replica, latency: dict[str, Any], inflight: dict[str, int], kv_backend: str) -> dict[str, Any]:
@@ -136,27 +136,35 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def ask(call) -> Any:
+def ask(call, timeout_s: float) -> Any:
     """ray.get of `call()` (a controller method's .remote()), asked again where the controller's
-    process died under it: Ray restarts it (recovery.py) and queues the calls that follow."""
+    process died under it (Ray restarts it: recovery.py; the calls that follow wait for it). No
+    answer in `timeout_s` (a process stopped or an event loop stuck, which Ray takes for alive) is
+    one line, not Ray's error after its own connection attempts, nor a wait for good."""
     import ray
 
-    for _ in range(RESTART_RETRIES):
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
         try:
-            return ray.get(call())
+            return ray.get(call(), timeout=left)
+        except ray.exceptions.GetTimeoutError:
+            break
         except ray.exceptions.ActorUnavailableError:
-            time.sleep(1.0)  # pause between asks while Ray notices the death
-    return ray.get(call())
+            time.sleep(min(1.0, max(left - 1.0, 0.0)))  # pause between asks while Ray restarts it
+    raise PDClusterError(
+        f"the controller did not answer in {timeout_s:g} s: its process may be stopped or overloaded "
+        "(`pdcluster down` stops the cluster all the same)"
+    )
 
 
-def watched(controller, every_s: float, render: Callable[[dict], str]) -> Iterator[str]:
+def watched(controller, every_s: float, render: Callable[[dict], str], timeout_s: float) -> Iterator[str]:
     """`controller`'s status, rendered, each time it differs from the last one yielded: looked at
     each time the controller publishes (its monitor pass, each second; a replica's start too) or
-    after `every_s`; a restart of the controller does not end it."""
+    after `every_s`; a restart of the controller does not end it, no answer in `timeout_s` does."""
     shown = None
     while True:
-        text = render(ask(controller.status.remote))
+        text = render(ask(controller.status.remote, timeout_s))
         if text != shown:
             yield text
             shown = text
-        ask(lambda: controller.next_publish.remote(every_s))
+        ask(lambda: controller.next_publish.remote(every_s), every_s + timeout_s)

@@ -76,5 +76,27 @@ def test_a_restarted_controller_keeps_the_sizes_scale_set(cluster):
     assert numbers == [int(left.split("-")[1]), 2]  # a new id, after every one the cluster had
 
 
+def test_status_gives_up_on_a_stopped_controller_in_one_line(cluster):
+    """A controller whose process stopped (SIGSTOP, as an event loop stuck) is alive to Ray, which
+    restarts nothing: `status` waited ~40 s on Ray's connection attempts, then printed Ray's own
+    ActorUnavailableError; now it gives up after its --timeout, in one line saying what it means."""
+    (controller,) = cluster_processes(cluster.home, ("ray::Controller",))
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        once = cluster.cli("status", "--name", cluster.name, "--timeout", "3", check=False, timeout=120)
+        watch = cluster.cli(
+            "status", "--watch", "1", "--timeout", "3", "--name", cluster.name, check=False, timeout=120
+        )
+    finally:
+        os.kill(controller, signal.SIGCONT)
+    for done in (once, watch):
+        assert done.returncode == 1 and done.stdout == "", done.stderr
+        assert done.stderr.strip().splitlines()[-1] == (
+            "pdcluster: the controller did not answer in 3 s: its process may be stopped or overloaded "
+            "(`pdcluster down` stops the cluster all the same)"
+        )
+    assert cluster.status()["controller_restarts"] == 2  # continued, it answers: nothing was restarted
+
+
 def decodes(status: dict) -> list[dict]:
     return [r for r in status["replicas"] if r["role"] == "decode"]
