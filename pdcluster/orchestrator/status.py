@@ -150,7 +150,7 @@ def ask(call, timeout_s: float) -> Any:
         except ray.exceptions.GetTimeoutError:
             break
         except ray.exceptions.ActorUnavailableError:
-            time.sleep(min(1.0, max(left - 1.0, 0.0)))  # pause between asks while Ray restarts it
+            time.sleep(min(1.0, left))  # pause between asks while Ray restarts it
     raise PDClusterError(
         f"the controller did not answer in {timeout_s:g} s: its process may be stopped or overloaded "
         "(`pdcluster down` stops the cluster all the same)"
